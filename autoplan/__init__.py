@@ -1,0 +1,47 @@
+"""autoplan: find the best way to split a model over a (heterogeneous) GPU cluster,
+predict its step time and memory, and run it on PyTorch's distributed stack.
+
+    import autoplan
+    cluster = autoplan.Cluster.load("examples/clusters/dgx-a100-1node.json")
+    model = autoplan.models.get("llama3-8b")
+    plan = autoplan.Plan.uniform(model, cluster, tp=8, pp=1, dp=1, micro_batch=1, global_batch=64)
+    est = autoplan.estimate(model, cluster, plan)
+    result = autoplan.search(model, cluster, global_batch=512)
+"""
+from __future__ import annotations
+
+from autoplan import models
+from autoplan.catalog import DeviceSpec, Link, get_device
+from autoplan.cluster import Cluster, NodeGroup
+from autoplan.errors import AutoplanError, ConfigError, NoPlanFitsError
+from autoplan.plan import DeviceGroup, Plan, Stage
+from autoplan.schedule import ScheduleProgram, build_program
+
+__version__ = "0.1.0"
+
+__all__ = ["Cluster", "NodeGroup", "DeviceSpec", "Link", "get_device", "Plan", "Stage", "DeviceGroup",
+           "ScheduleProgram", "build_program", "models", "estimate", "search", "baselines", "profile",
+           "AutoplanError", "ConfigError", "NoPlanFitsError"]
+
+
+def estimate(model, cluster, plan, **options):
+    """Predict iteration time and per-rank memory of ``plan`` (see costmodel.estimate)."""
+    # Imported here: costmodel sits above this package's core modules in the layering.
+    from costmodel import estimate as _estimate
+    return _estimate(models.get(model), cluster, plan, **options)
+
+
+def search(model, cluster, global_batch: int, **constraints):
+    """Find the best plans for ``model`` on ``cluster`` (see search.search)."""
+    from search import search as _search
+    return _search(models.get(model), cluster, global_batch, **constraints)
+
+
+def __getattr__(name):
+    if name == "baselines":
+        import importlib
+        return importlib.import_module("autoplan.baselines")
+    if name == "profile":
+        from autoplan.profiler import profile
+        return profile
+    raise AttributeError(f"module 'autoplan' has no attribute {name!r}")

@@ -1,0 +1,177 @@
+"""Architecture hyper-parameters of the zoo models.
+
+One dataclass describes every GPT/Llama/BERT/MoE-shaped network; :class:`SwinConfig`
+describes the hierarchical vision transformer whose layers are far from uniform.
+Defaults that depend on the architecture (ffn width, kv heads, head dim) are
+filled in by :meth:`TransformerConfig.resolved`, the one place that validates.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from autoplan.errors import ConfigError
+
+ARCHS = ("gpt", "llama", "bert", "moe")
+NORMS = ("layernorm", "rmsnorm")
+MLPS = ("gelu", "swiglu", "relu")
+POSITIONS = ("learned", "rope")
+ATTENTIONS = ("flash", "math")
+
+
+@dataclass(frozen=True)
+class TransformerConfig:
+    """A decoder-only (GPT, Llama, MoE) or encoder-only (BERT) transformer."""
+
+    name: str = "custom"
+    """Preset name or a user label; only used in reports."""
+    arch: str = "gpt"
+    """Family: 'gpt' (LayerNorm, GELU, learned positions), 'llama' (RMSNorm, SwiGLU, RoPE, GQA),
+    'bert' (bidirectional encoder, post-norm) or 'moe' (Llama-style with mixture-of-experts MLPs)."""
+    layers: int = 12
+    """Number of transformer blocks."""
+    hidden: int = 768
+    """Model width h."""
+    heads: int = 12
+    """Query attention heads."""
+    seq_len: int = 2048
+    """Tokens per sample the spec is built for."""
+    vocab: int = 50257
+    """Vocabulary size."""
+    ffn_hidden: int | None = None
+    """MLP inner width; None = 4h for gpt/bert, Llama's rounded 8h/3 for llama/moe."""
+    kv_heads: int | None = None
+    """Key/value heads (grouped-query attention); None = heads (multi-head attention)."""
+    head_dim: int | None = None
+    """Width of one head; None = hidden // heads."""
+    norm: str | None = None
+    """'layernorm' or 'rmsnorm'; None = the family's default."""
+    mlp: str | None = None
+    """'gelu', 'relu' or 'swiglu'; None = the family's default."""
+    position: str | None = None
+    """'learned' absolute positions or 'rope'; None = the family's default."""
+    bias: bool | None = None
+    """Linear layers carry biases; None = the family's default (gpt/bert yes, llama no)."""
+    causal: bool | None = None
+    """Causal attention mask; None = True except for bert."""
+    tie_embeddings: bool = False
+    """Share the token embedding with the output head (GPT-2 does)."""
+    num_experts: int = 0
+    """Experts per MoE layer (moe only)."""
+    top_k: int = 2
+    """Experts each token is routed to (moe only)."""
+    attention: str = "flash"
+    """Attention kernel: 'flash' (fused SDPA, saves no s×s scores) or 'math' (explicit softmax,
+    saves the score matrix as Megatron-LM did before FlashAttention)."""
+    max_positions: int | None = None
+    """Learned position table size; None = seq_len."""
+
+    def resolved(self) -> "TransformerConfig":
+        """A copy with every family default filled in, validated."""
+        c = self
+        if c.arch not in ARCHS:
+            raise ConfigError("arch", f"{c.arch!r} is not one of {list(ARCHS)}")
+        for name in ("layers", "hidden", "heads", "seq_len", "vocab"):
+            v = getattr(c, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ConfigError(name, f"must be a positive integer, got {v!r}")
+        llama_like = c.arch in ("llama", "moe")
+        defaults = dict(
+            norm="rmsnorm" if llama_like else "layernorm",
+            mlp="swiglu" if llama_like else "gelu",
+            position="rope" if llama_like else "learned",
+            bias=not llama_like,
+            causal=c.arch != "bert",
+            kv_heads=c.heads,
+            head_dim=c.hidden // c.heads if c.hidden % c.heads == 0 else None,
+            max_positions=c.seq_len,
+        )
+        updates = {k: v for k, v in defaults.items() if getattr(c, k) is None}
+        c = dataclasses.replace(c, **updates)
+        if c.head_dim is None:
+            raise ConfigError("hidden", f"{c.hidden} is not divisible by heads={c.heads}",
+                              "give head_dim explicitly")
+        if c.ffn_hidden is None:
+            if c.mlp == "swiglu":
+                # Llama's rule: 2/3 of 4h, rounded up to a multiple of 256.
+                ffn = int(2 * 4 * c.hidden / 3)
+                ffn = 256 * ((ffn + 255) // 256)
+            else:
+                ffn = 4 * c.hidden
+            c = dataclasses.replace(c, ffn_hidden=ffn)
+        if c.kv_heads < 1 or c.heads % c.kv_heads:
+            raise ConfigError("kv_heads", f"heads={c.heads} must be a multiple of kv_heads={c.kv_heads}")
+        for name, choices in (("norm", NORMS), ("mlp", MLPS), ("position", POSITIONS),
+                              ("attention", ATTENTIONS)):
+            if getattr(c, name) not in choices:
+                raise ConfigError(name, f"{getattr(c, name)!r} is not one of {list(choices)}")
+        if c.arch == "moe":
+            if c.num_experts < 2:
+                raise ConfigError("num_experts", f"an moe model needs >= 2 experts, got {c.num_experts}")
+            if not 1 <= c.top_k <= c.num_experts:
+                raise ConfigError("top_k", f"must be in 1..num_experts={c.num_experts}, got {c.top_k}")
+        if c.position == "learned" and c.max_positions < c.seq_len:
+            raise ConfigError("seq_len", f"{c.seq_len} exceeds the learned position table "
+                              f"({c.max_positions})", "raise max_positions or shorten seq_len")
+        return c
+
+    def with_shard(self, factor: float) -> "TransformerConfig":
+        """The per-rank shapes under tensor parallelism of degree 1/factor: factor=2 doubles
+        everything Megatron-style tensor parallelism divides (attention heads, kv heads, MLP
+        width, vocabulary), which separates sharded from replicated cost by measurement."""
+        c = self.resolved()
+        return dataclasses.replace(
+            c, heads=int(c.heads * factor), kv_heads=int(c.kv_heads * factor),
+            ffn_hidden=int(c.ffn_hidden * factor), vocab=int(c.vocab * factor))
+
+
+@dataclass(frozen=True)
+class SwinConfig:
+    """A Swin Transformer (Liu et al., ICCV 2021): four stages of windowed-attention
+    blocks at falling resolution and rising width, so no two stages cost the same."""
+
+    name: str = "swin"
+    image_size: int = 224
+    """Input side in pixels."""
+    patch_size: int = 4
+    """Patch side in pixels."""
+    embed_dim: int = 96
+    """Width of stage 1 (doubles each stage)."""
+    depths: tuple[int, ...] = (2, 2, 6, 2)
+    """Blocks per stage."""
+    heads: tuple[int, ...] = (3, 6, 12, 24)
+    """Attention heads per stage."""
+    window: int = 7
+    """Attention window side in patches."""
+    mlp_ratio: int = 4
+    """MLP width over block width."""
+    num_classes: int = 1000
+    """Classifier outputs."""
+    in_channels: int = 3
+    """Image channels."""
+    arch: str = field(default="swin", init=False)
+
+    def resolved(self) -> "SwinConfig":
+        if len(self.depths) != len(self.heads):
+            raise ConfigError("heads", f"needs one entry per stage ({len(self.depths)}), got {len(self.heads)}")
+        if self.image_size % self.patch_size:
+            raise ConfigError("image_size", f"{self.image_size} is not a multiple of patch_size={self.patch_size}")
+        # Window partition and 2x2 patch merging need every stage's grid to divide evenly.
+        resolution, dim = self.image_size // self.patch_size, self.embed_dim
+        for stage, heads in enumerate(self.heads):
+            if stage:
+                if resolution % 2:
+                    raise ConfigError("image_size", f"stage {stage + 1} cannot merge an odd "
+                                      f"{resolution}x{resolution} patch grid")
+                resolution, dim = resolution // 2, dim * 2
+            if resolution % min(self.window, resolution):
+                raise ConfigError("window", f"{self.window} does not divide stage {stage + 1}'s "
+                                  f"{resolution}x{resolution} patch grid")
+            if heads < 1 or dim % heads:
+                raise ConfigError("heads", f"stage {stage + 1} width {dim} is not divisible by {heads} heads")
+        return self
+
+    @property
+    def seq_len(self) -> int:
+        """Patches per image at stage 1 (the 'tokens' of a sample)."""
+        return (self.image_size // self.patch_size) ** 2

@@ -1,0 +1,404 @@
+"""Measure a ModelSpec from real ``nn.Module``s on the ``meta`` device.
+
+Each distinct pipeline unit is run forward and backward on meta tensors (no memory
+is allocated, so a 405B model is fine on a laptop) under
+
+* ``FlopCounterMode`` for forward and backward FLOPs,
+* a dispatch census recording every matmul's shape, every fused-attention call and
+  the bytes moved by bandwidth-bound kernels,
+* autograd saved-tensor hooks for the activation bytes kept for backward.
+
+Tensor-parallel sharding is separated from replicated cost by measuring the unit a
+second time with heads, kv heads and MLP width doubled (what one rank of TP=t runs is
+the same module with those counts divided by t); everything a layer costs is linear
+in those counts, so two measurements give ``replicated + sharded / t`` exactly.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import FlopCounterMode, flop_registry
+
+from autoplan.models.spec import ActivationBytes, Gemm, LayerSpec, ModelSpec, Split
+
+_aten = torch.ops.aten
+_GEMMS = {_aten.mm.default, _aten.addmm.default, _aten.bmm.default, _aten.baddbmm.default}
+# Ops that allocate or reinterpret without moving activation data through HBM.
+_NO_TRAFFIC = ("empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided",
+               "detach", "lift_fresh", "_local_scalar_dense", "scalar_tensor", "arange",
+               "sym_size", "sym_stride", "copy_")
+_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+@dataclass
+class _Census:
+    """What one forward or backward pass ran."""
+
+    gemms: list = field(default_factory=list)        # (m, n, k, count, in_core)
+    attention_flops: float = 0.0
+    memory_bytes: float = 0.0
+    core_memory_bytes: float = 0.0
+    kernels: int = 0
+
+
+class _CensusMode(TorchDispatchMode):
+    """Records matmul shapes, fused attention FLOPs and bandwidth-bound traffic."""
+
+    def __init__(self):
+        super().__init__()
+        self.census = _Census()
+        self.in_core = False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        c = self.census
+        name = func.overloadpacket.__name__
+        if func in _GEMMS:
+            a, b = (args[1], args[2]) if func in (_aten.addmm.default, _aten.baddbmm.default) else args[:2]
+            if a.dim() == 2:
+                c.gemms.append((a.shape[0], b.shape[1], a.shape[1], 1, self.in_core))
+            else:
+                c.gemms.append((a.shape[1], b.shape[2], a.shape[2], a.shape[0], self.in_core))
+            c.kernels += 1
+        elif "scaled_dot_product" in name:
+            c.attention_flops += flop_registry[func.overloadpacket](*args, out_val=out, **kwargs)
+            c.kernels += 1
+        elif not func.is_view and name not in _NO_TRAFFIC:
+            moved = sum(t.nbytes for t in _tensors((args, kwargs, out)))
+            c.memory_bytes += moved
+            if self.in_core:
+                c.core_memory_bytes += moved
+            c.kernels += 1
+        return out
+
+
+def _tensors(tree):
+    if isinstance(tree, torch.Tensor):
+        yield tree
+    elif isinstance(tree, (list, tuple)):
+        for x in tree:
+            yield from _tensors(x)
+    elif isinstance(tree, dict):
+        for x in tree.values():
+            yield from _tensors(x)
+
+
+class _FlashAttention(torch.autograd.Function):
+    """The fused attention kernel a GPU run uses, for meta-device measurement.
+
+    Eager SDPA on meta decomposes into the math path and would save the s x s score
+    matrix; FlashAttention saves only q, k, v, the output and the log-sum-exp, and its
+    backward recomputes the scores. This reproduces exactly that footprint and the
+    kernel's FLOP count (grouped-query k/v are saved unrepeated, as FlashAttention-2 does)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, causal):
+        group = q.shape[1] // k.shape[1]
+        kr, vr = (k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)) if group > 1 else (k, v)
+        out, lse, *_ = _aten._scaled_dot_product_flash_attention(q, kr, vr, 0.0, causal)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.causal, ctx.group = causal, group
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v, out, lse = ctx.saved_tensors
+        g = ctx.group
+        kr, vr = (k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)) if g > 1 else (k, v)
+        s = q.shape[2]
+        dq, dk, dv = _aten._scaled_dot_product_flash_attention_backward(
+            grad, q, kr, vr, out, lse, None, None, s, s, 0.0, ctx.causal,
+            torch.empty(2, dtype=torch.uint64, device=q.device),
+            torch.empty((), dtype=torch.uint64, device=q.device))
+        if g > 1:
+            b, h, s_, d = dk.shape
+            dk = dk.view(b, h // g, g, s_, d).sum(2)
+            dv = dv.view(b, h // g, g, s_, d).sum(2)
+        return dq, dk, dv, None
+
+
+class _FlashCore(nn.Module):
+    def __init__(self, causal: bool):
+        super().__init__()
+        self.causal = causal
+
+    def forward(self, q, k, v):
+        return _FlashAttention.apply(q, k, v, self.causal)
+
+
+@dataclass
+class _Measurement:
+    params: float
+    flops_fwd: float
+    flops_bwd: float
+    fwd: _Census
+    bwd: _Census
+    saved_bytes: float
+    core_saved_bytes: float
+    input_bytes: float
+    output_bytes: float
+    output: torch.Tensor
+
+
+def _cores(unit: nn.Module) -> list[nn.Module]:
+    return [m for name, m in unit.named_modules() if name.endswith("attention.core")]
+
+
+@contextmanager
+def _flag_cores(unit: nn.Module, flags: list):
+    """Sets every object in ``flags``' ``in_core`` attribute while an attention core runs."""
+    handles = []
+    for core in _cores(unit):
+        def pre(_m, args):
+            for f in flags:
+                f.in_core = True
+                if hasattr(f, "core_inputs"):
+                    f.core_inputs.update(t.untyped_storage()._cdata for t in _tensors(args))
+
+        def post(_m, _a, _o):
+            for f in flags:
+                f.in_core = False
+        handles += [core.register_forward_pre_hook(pre), core.register_forward_hook(post)]
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+class _SavedBytes:
+    """Counts distinct storages autograd saves, skipping parameters."""
+
+    def __init__(self, param_storages: set):
+        self.params = param_storages
+        self.seen: dict[int, int] = {}
+        self.core: dict[int, int] = {}
+        self.core_inputs: set[int] = set()
+        self.in_core = False
+
+    def pack(self, t: torch.Tensor):
+        key = t.untyped_storage()._cdata
+        if key not in self.params:
+            nbytes = t.untyped_storage().nbytes()
+            self.seen.setdefault(key, nbytes)
+            if self.in_core:
+                self.core.setdefault(key, nbytes)
+        return t
+
+
+def _measure(unit: nn.Module, x: torch.Tensor, loss=None) -> _Measurement:
+    """Run one unit forward and backward on meta and record what it costs."""
+    params = float(sum(p.numel() for p in unit.parameters()))
+    param_storages = {p.untyped_storage()._cdata for p in unit.parameters()}
+    if x.is_floating_point():
+        x = x.detach().requires_grad_(True)
+    saved = _SavedBytes(param_storages)
+    census_f = _CensusMode()
+    with _flag_cores(unit, [saved, census_f]):
+        with FlopCounterMode(display=False) as fc_f:
+            with census_f, torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t):
+                out = unit(x)
+                scalar = loss(out) if loss is not None else out.float().sum()
+    # Inputs of the core (q, k, v) stay saved when the core is recomputed.
+    core_saved = sum(n for k, n in saved.core.items() if k not in saved.core_inputs)
+    census_b = _CensusMode()
+    with FlopCounterMode(display=False) as fc_b, census_b:
+        scalar.backward()
+    return _Measurement(
+        params=params, flops_fwd=float(fc_f.get_total_flops()), flops_bwd=float(fc_b.get_total_flops()),
+        fwd=census_f.census, bwd=census_b.census, saved_bytes=float(sum(saved.seen.values())),
+        core_saved_bytes=float(core_saved), input_bytes=float(x.nbytes),
+        output_bytes=float(out.nbytes) if loss is None else 0.0, output=out.detach())
+
+
+def _split(base: float, wide: float) -> Split:
+    """Replicated/sharded parts from a measurement at TP shapes 1 and 1/2."""
+    sharded = max(wide - base, 0.0)
+    return Split(replicated=max(base - sharded, 0.0), sharded=sharded)
+
+
+def _gemms(base: list, wide: list | None, batch2: list) -> tuple[Gemm, ...]:
+    out = []
+    for i, g in enumerate(base):
+        m, n, k, c, in_core = g
+        dims = {"m": m, "n": n, "k": k, "count": c}
+        names = ("m", "n", "k", "count")
+        shard = ""
+        if wide is not None:
+            w = dict(zip(names, wide[i][:4]))
+            grown = [d for d in names if w[d] > dims[d]]
+            shard = grown[0] if grown else ""
+        b2 = dict(zip(names, batch2[i][:4]))
+        grown = [d for d in names if b2[d] > dims[d]]
+        batch_dim = grown[0] if grown else "m"
+        out.append(Gemm(m=float(m), n=float(n), k=float(k), count=float(c), shard_dim=shard,
+                        batch_dim=batch_dim, in_core=in_core))
+    return tuple(out)
+
+
+def _unit_kind(unit: nn.Module) -> str:
+    name = type(unit).__name__.lower()
+    if "embed" in name:
+        return "embedding"
+    if "head" in name:
+        return "head"
+    return "block"
+
+
+def _tp_allreduces(unit: nn.Module) -> int:
+    """Row-parallel outputs are all-reduced: one per attention/MLP sub-module."""
+    plan = unit.tp_plan() if hasattr(unit, "tp_plan") else {}
+    parents = {fqn.split(".")[0] for fqn, style in plan.items() if style == "rowwise"}
+    # A vocabulary-parallel embedding all-reduces its output; a vocabulary-parallel head
+    # all-reduces its input gradient in backward (counted here, as the model is symmetric).
+    return len(parents) + sum(1 for s in plan.values() if s in ("embedding", "output"))
+
+
+def _layer_spec(name: str, unit: nn.Module, base: _Measurement, wide: _Measurement | None,
+                batch2: _Measurement, causal: bool, sharded: bool) -> LayerSpec:
+    def sp(attr_base, attr_wide):
+        return _split(attr_base, attr_wide) if wide is not None else Split(replicated=attr_base)
+
+    w = wide if wide is not None else base
+    none = sp(base.saved_bytes, w.saved_bytes)
+    core = sp(base.core_saved_bytes, w.core_saved_bytes)
+    selective = Split(max(none.replicated - core.replicated, 0.0), max(none.sharded - core.sharded, 0.0))
+    full = Split(replicated=base.input_bytes)
+    return LayerSpec(
+        name=name, kind=_unit_kind(unit),
+        params=sp(base.params, w.params),
+        flops_fwd=sp(base.flops_fwd, w.flops_fwd), flops_bwd=sp(base.flops_bwd, w.flops_bwd),
+        gemms_fwd=_gemms(base.fwd.gemms, wide.fwd.gemms if wide else None, batch2.fwd.gemms),
+        gemms_bwd=_gemms(base.bwd.gemms, wide.bwd.gemms if wide else None, batch2.bwd.gemms),
+        attention_flops_fwd=sp(base.fwd.attention_flops, w.fwd.attention_flops),
+        attention_flops_bwd=sp(base.bwd.attention_flops, w.bwd.attention_flops),
+        memory_bytes_fwd=sp(base.fwd.memory_bytes, w.fwd.memory_bytes),
+        memory_bytes_bwd=sp(base.bwd.memory_bytes, w.bwd.memory_bytes),
+        core_memory_bytes_fwd=sp(base.fwd.core_memory_bytes, w.fwd.core_memory_bytes),
+        kernels_fwd=base.fwd.kernels, kernels_bwd=base.bwd.kernels,
+        activation_bytes=ActivationBytes(none=none, selective=selective, full=full),
+        output_bytes=base.output_bytes,
+        tp_allreduces_fwd=_tp_allreduces(unit) if sharded else 0,
+        causal=causal)
+
+
+def _prepare(model: nn.Module, dtype: torch.dtype, flash: bool, causal: bool) -> nn.Module:
+    model = model.to(dtype)
+    if flash:
+        for unit in model.layers:
+            for name, m in list(unit.named_modules()):
+                if name.endswith("attention.core"):
+                    parent = unit.get_submodule(name.rsplit(".", 1)[0])
+                    parent.core = _FlashCore(causal)
+    return model
+
+
+def _signature(unit: nn.Module, x: torch.Tensor) -> tuple:
+    return (type(unit).__name__, tuple(x.shape), x.dtype,
+            tuple((n, tuple(p.shape)) for n, p in unit.named_parameters()))
+
+
+def spec_from_config(cfg, dtype: str = "bf16") -> ModelSpec:
+    """Measure the spec of a zoo architecture (TransformerConfig or SwinConfig)."""
+    from autoplan.models.zoo import build_model, example_inputs, loss_fn
+
+    cfg = cfg.resolved()
+    torch_dtype = _DTYPES[dtype]
+    is_lm = hasattr(cfg, "vocab")
+    flash = getattr(cfg, "attention", "math") == "flash"
+    causal = bool(getattr(cfg, "causal", False))
+    shardable = hasattr(cfg, "with_shard")
+    # A uniform stack repeats one block: measure a one-block model, then replicate its spec.
+    uniform = is_lm
+    probe_cfg = dataclasses.replace(cfg, layers=1) if uniform else cfg
+
+    def units_and_inputs(c, batch):
+        with torch.device("meta"):
+            model = _prepare(build_model(c), torch_dtype, flash, causal)
+            inputs, targets = example_inputs(c, batch, device="meta")
+        if inputs.is_floating_point():
+            inputs = inputs.to(torch_dtype)
+        return model, inputs, targets
+
+    runs = {}
+    for label, c, batch in (("base", probe_cfg, 1), ("batch2", probe_cfg, 2)) + (
+            (("wide", probe_cfg.with_shard(2), 1),) if shardable else ()):
+        model, x, targets = units_and_inputs(c, batch)
+        results, cache = [], {}
+        n = len(model.layers)
+        for i, unit in enumerate(model.layers):
+            last = i == n - 1
+            sig = _signature(unit, x)
+            if sig in cache and not last:
+                m = cache[sig]
+            else:
+                m = _measure(unit, x, loss=(lambda o, t=targets: loss_fn(o, t)) if last else None)
+                cache[sig] = m
+            results.append((unit, m))
+            if not last:
+                x = m.output
+        runs[label] = results
+
+    layers = []
+    base_units = runs["base"]
+    for i, (unit, m) in enumerate(base_units):
+        wide = runs["wide"][i][1] if shardable else None
+        kind = _unit_kind(unit)
+        layers.append(_layer_spec(kind, unit, m, wide, runs["batch2"][i][1], causal, shardable))
+    if uniform:
+        emb, block, head = layers[0], layers[1], layers[-1]
+        layers = [emb] + [dataclasses.replace(block, name=f"block.{i}") for i in range(cfg.layers)] + [head]
+    else:
+        counts: dict[str, int] = {}
+        renamed = []
+        for l in layers:
+            j = counts.get(l.kind, 0)
+            counts[l.kind] = j + 1
+            renamed.append(dataclasses.replace(l, name=f"{l.kind}.{j}"))
+        layers = renamed
+    seq = cfg.seq_len
+    return ModelSpec(
+        name=cfg.name, layers=tuple(layers), seq_len=seq, dtype=dtype,
+        heads=getattr(cfg, "heads", 0) if shardable else 0,
+        kv_heads=getattr(cfg, "kv_heads", 0) if shardable else 0,
+        vocab=getattr(cfg, "vocab", 0), hidden=getattr(cfg, "hidden", 0), config=cfg,
+        tokens_per_sample=seq, tp_shardable=shardable)
+
+
+def spec_from_module(module: nn.Module, example_inputs: torch.Tensor, name: str = "module",
+                     dtype: str = "bf16", loss=None) -> ModelSpec:
+    """Measure any ``nn.Module`` whose pipeline units are ``module.layers`` (a ModuleList
+    chained one tensor to the next) or the children of an ``nn.Sequential``; other modules
+    become a single unit. Run on meta copies of the inputs; parameters are not touched."""
+    if isinstance(getattr(module, "layers", None), nn.ModuleList):
+        units = list(module.layers)
+    elif isinstance(module, nn.Sequential):
+        units = list(module)
+    else:
+        units = [module]
+    torch_dtype = _DTYPES[dtype]
+    meta_units = []
+    for u in units:
+        mu = u.to("meta") if any(p.device.type != "meta" for p in u.parameters()) else u
+        meta_units.append(mu.to(torch_dtype))
+    x = example_inputs.to("meta")
+    if x.is_floating_point():
+        x = x.to(torch_dtype)
+    layers = []
+    for i, unit in enumerate(meta_units):
+        last = i == len(meta_units) - 1
+        m = _measure(unit, x, loss=loss if last else None)
+        x2 = torch.cat([x, x], 0) if x.dim() > 0 else x
+        m2 = _measure(unit, x2, loss=loss if last else None)
+        layers.append(_layer_spec(f"{type(unit).__name__.lower()}.{i}", unit, m, None, m2, False, False))
+        x = m.output
+    seq = example_inputs.shape[1] if example_inputs.dim() > 1 else 1
+    return ModelSpec(name=name, layers=tuple(layers), seq_len=seq, dtype=dtype, config=None,
+                     tokens_per_sample=seq, tp_shardable=False)

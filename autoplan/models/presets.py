@@ -1,0 +1,136 @@
+"""Named architectures from the literature, plus tiny ones for tests.
+
+Presets hold only the published hyper-parameters; family defaults (ffn width, head dim,
+norms, ...) are filled in by ``resolved()`` when :func:`get_config` is called, so an
+override such as ``hidden=1024`` re-derives everything that depends on it.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from autoplan.errors import ConfigError, closest
+from autoplan.models.config import SwinConfig, TransformerConfig
+
+ModelConfig = TransformerConfig | SwinConfig
+
+
+def _gpt(name: str, layers: int, hidden: int, heads: int, seq_len: int, **kw: Any) -> TransformerConfig:
+    # GPT-2 and GPT-3 both share the token embedding with the output head (GPT-3 reuses
+    # GPT-2's architecture); the tied count is the one that matches GPT-3's 174.6B.
+    return TransformerConfig(name=name, arch="gpt", layers=layers, hidden=hidden, heads=heads,
+                             seq_len=seq_len, vocab=50257, tie_embeddings=True, **kw)
+
+
+def _llama(name: str, layers: int, hidden: int, heads: int, kv_heads: int, ffn: int, vocab: int,
+           seq_len: int, **kw: Any) -> TransformerConfig:
+    return TransformerConfig(name=name, arch="llama", layers=layers, hidden=hidden, heads=heads,
+                             kv_heads=kv_heads, ffn_hidden=ffn, vocab=vocab, seq_len=seq_len, **kw)
+
+
+def _bert(name: str, layers: int, hidden: int, heads: int, **kw: Any) -> TransformerConfig:
+    # BERT ties its MLM decoder to the word embeddings (Devlin et al. 2019).
+    return TransformerConfig(name=name, arch="bert", layers=layers, hidden=hidden, heads=heads,
+                             seq_len=512, vocab=30522, tie_embeddings=True, **kw)
+
+
+_ALL: list[ModelConfig] = [
+    # GPT-2 (Radford et al. 2019): vocab 50257, context 1024.
+    _gpt("gpt2-small", 12, 768, 12, 1024),
+    _gpt("gpt2-medium", 24, 1024, 16, 1024),
+    _gpt("gpt2-large", 36, 1280, 20, 1024),
+    _gpt("gpt2-xl", 48, 1600, 25, 1024),
+    # GPT-3 (Brown et al. 2020, Table 2.1): context 2048.
+    _gpt("gpt3-125m", 12, 768, 12, 2048),
+    _gpt("gpt3-350m", 24, 1024, 16, 2048),
+    _gpt("gpt3-760m", 24, 1536, 16, 2048),
+    # Table 2.1 lists 24 heads x d_head 128 for d_model 2048, which cannot both hold;
+    # 16 x 128 = 2048 keeps the stated width and head size (and the 1.3B count).
+    _gpt("gpt3-1.3b", 24, 2048, 16, 2048),
+    _gpt("gpt3-2.7b", 32, 2560, 32, 2048),
+    _gpt("gpt3-6.7b", 32, 4096, 32, 2048),
+    # Table 2.1 gives d_model 5140 with 40 heads of 128; 5120 = 40 x 128 is what
+    # reproductions use (5140 is not divisible by 40).
+    _gpt("gpt3-13b", 40, 5120, 40, 2048),
+    _gpt("gpt3-175b", 96, 12288, 96, 2048),
+    # Llama 2 (Touvron et al. 2023): vocab 32000, context 4096; 70B uses GQA with 8 kv heads.
+    _llama("llama2-7b", 32, 4096, 32, 32, 11008, 32000, 4096),
+    _llama("llama2-13b", 40, 5120, 40, 40, 13824, 32000, 4096),
+    _llama("llama2-70b", 80, 8192, 64, 8, 28672, 32000, 4096),
+    # Llama 3 / 3.1 (Grattafiori et al. 2024, Table 3): vocab 128256, 8 kv heads.
+    _llama("llama3-8b", 32, 4096, 32, 8, 14336, 128256, 8192),
+    _llama("llama3-70b", 80, 8192, 64, 8, 28672, 128256, 8192),
+    _llama("llama3-405b", 126, 16384, 128, 8, 53248, 128256, 8192),
+    # BERT (Devlin et al. 2019): vocab 30522 (uncased WordPiece), 512 positions.
+    _bert("bert-base", 12, 768, 12),
+    _bert("bert-large", 24, 1024, 16),
+    # Mixtral 8x7B (Jiang et al. 2024): Mistral-7B attention, 8 SwiGLU experts, top-2.
+    # Expert-choice routing (see zoo.transformer.MoE) has exactly Mixtral's parameters.
+    TransformerConfig(name="mixtral-8x7b", arch="moe", layers=32, hidden=4096, heads=32,
+                      kv_heads=8, ffn_hidden=14336, num_experts=8, top_k=2, vocab=32000,
+                      seq_len=4096),
+    # Swin (Liu et al. 2021, Sec. 3.3): ImageNet-1k classifiers at 224x224, window 7.
+    SwinConfig(name="swin-t", embed_dim=96, depths=(2, 2, 6, 2), heads=(3, 6, 12, 24)),
+    SwinConfig(name="swin-b", embed_dim=128, depths=(2, 2, 18, 2), heads=(4, 8, 16, 32)),
+    # Tiny configurations for tests: build and run on a CPU in milliseconds.
+    TransformerConfig(name="gpt-tiny", arch="gpt", layers=2, hidden=64, heads=4, vocab=256, seq_len=32,
+                      tie_embeddings=True),
+    TransformerConfig(name="llama-tiny", arch="llama", layers=2, hidden=64, heads=4, kv_heads=2,
+                      vocab=256, seq_len=32),
+    TransformerConfig(name="moe-tiny", arch="moe", layers=2, hidden=64, heads=4, kv_heads=2,
+                      ffn_hidden=128, num_experts=4, top_k=2, vocab=256, seq_len=32),
+    TransformerConfig(name="bert-tiny", arch="bert", layers=2, hidden=64, heads=4, vocab=256,
+                      seq_len=32, tie_embeddings=True),
+    SwinConfig(name="swin-tiny-test", image_size=32, patch_size=2, embed_dim=16, depths=(2, 2, 2),
+               heads=(2, 4, 8), window=4, num_classes=10),
+]
+
+PRESETS: dict[str, ModelConfig] = {c.name: c for c in _ALL}
+"""Preset name (lower case) -> unresolved config; use :func:`get_config` for a resolved one."""
+
+PUBLISHED_PARAMS: dict[str, tuple[float, str]] = {
+    "gpt2-xl": (1.558e9, "Radford et al. 2019; 1,557,611,200 in the released gpt2-xl checkpoint "
+                         "(the paper's Table 2 rounds to 1542M)"),
+    "gpt3-175b": (174.6e9, "Brown et al. 2020, Table 2.1 ('175.0B'); 174.6B is the exact count of "
+                           "its shapes with tied embeddings"),
+    "llama2-7b": (6.74e9, "Touvron et al. 2023 (Llama 2); meta-llama/Llama-2-7b-hf: 6.74B"),
+    "llama2-13b": (13.0e9, "Touvron et al. 2023 (Llama 2); meta-llama/Llama-2-13b-hf: 13.0B"),
+    "llama2-70b": (69.0e9, "Touvron et al. 2023 (Llama 2); meta-llama/Llama-2-70b-hf: 69.0B"),
+    "llama3-8b": (8.03e9, "Grattafiori et al. 2024 (Llama 3); meta-llama/Meta-Llama-3-8B: 8.03B"),
+    "llama3-70b": (70.6e9, "Grattafiori et al. 2024 (Llama 3); meta-llama/Meta-Llama-3-70B: 70.6B"),
+    "llama3-405b": (405.8e9, "Grattafiori et al. 2024 (Llama 3.1); meta-llama/Llama-3.1-405B: 405.8B"),
+    "mixtral-8x7b": (46.7e9, "Jiang et al. 2024 (Mixtral of Experts, '47B'); "
+                             "mistralai/Mixtral-8x7B-v0.1: 46.7B"),
+    "bert-base": (110e6, "Devlin et al. 2019, Sec. 3 ('110M')"),
+    "bert-large": (336e6, "Devlin et al. 2019 ('340M'); google-bert/bert-large-uncased: 336M"),
+    "swin-t": (28.3e6, "Liu et al. 2021, Table 1(a) ('28M'); 28,288,354 in the released "
+                       "swin_tiny_patch4_window7_224 checkpoint"),
+    "swin-b": (88e6, "Liu et al. 2021, Table 1(a) ('88M')"),
+}
+"""Preset name -> (published parameter count, where it is published)."""
+
+
+def list_presets() -> list[str]:
+    """Every preset name, in declaration order (families together, small to large)."""
+    return list(PRESETS)
+
+
+def apply_overrides(cfg: ModelConfig, overrides: dict[str, Any]) -> ModelConfig:
+    """``cfg`` with ``overrides`` replaced, resolved; an unknown key raises ConfigError naming it."""
+    known = [f.name for f in dataclasses.fields(cfg) if f.init]
+    for key in overrides:
+        if key not in known:
+            hint = closest(key, known)
+            raise ConfigError(key, f"is not a field of {type(cfg).__name__}",
+                              hint or f"known fields: {', '.join(known)}")
+    return dataclasses.replace(cfg, **overrides).resolved()
+
+
+def get_config(name: str, **overrides: Any) -> ModelConfig:
+    """The resolved preset ``name`` (case-insensitive) with ``overrides`` applied,
+    e.g. ``get_config("llama3-8b", layers=4, seq_len=2048)``."""
+    cfg = PRESETS.get(str(name).lower())
+    if cfg is None:
+        raise ConfigError("model", f"unknown model {name!r}", closest(str(name), PRESETS) or
+                          f"known models: {', '.join(PRESETS)}")
+    return apply_overrides(cfg, overrides)

@@ -1,0 +1,189 @@
+"""ModelSpec: a model as the ordered layers a planner splits, with what each costs.
+
+Every per-layer quantity is *per sample* (one sequence of ``seq_len`` tokens, or one
+image) and is linear in the micro-batch size. Quantities that tensor parallelism
+divides are kept as a :class:`Split` ``x(t) = replicated + sharded / t``; under
+sequence parallelism the replicated part of activations is divided by ``t`` too.
+The figures are measured from the real ``nn.Module`` on the ``meta`` device (see
+:mod:`autoplan.models.extract`), not written down by hand.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+RECOMPUTE_MODES = ("none", "selective", "full")
+
+
+@dataclass(frozen=True)
+class Split:
+    """A quantity ``replicated + sharded / tp`` under tensor-parallel degree ``tp``."""
+
+    replicated: float = 0.0
+    """Part every tensor-parallel rank holds or does in full."""
+    sharded: float = 0.0
+    """Part divided among the tensor-parallel ranks."""
+
+    def at(self, tp: int = 1, sequence_parallel: bool = False) -> float:
+        """Per-rank value; sequence parallelism also splits the replicated part."""
+        rep = self.replicated / tp if sequence_parallel else self.replicated
+        return rep + self.sharded / tp
+
+    @property
+    def total(self) -> float:
+        return self.replicated + self.sharded
+
+    def __add__(self, other: "Split") -> "Split":
+        return Split(self.replicated + other.replicated, self.sharded + other.sharded)
+
+    def scaled(self, k: float) -> "Split":
+        return Split(self.replicated * k, self.sharded * k)
+
+
+@dataclass(frozen=True)
+class Gemm:
+    """One matrix multiply of a layer, for one sample: ``count`` products of (m x k) @ (k x n)."""
+
+    m: float
+    n: float
+    k: float
+    count: float = 1
+    shard_dim: str = ""
+    """Which of 'm', 'n', 'k', 'count' tensor parallelism divides ('' = none)."""
+    batch_dim: str = "m"
+    """Which dimension grows with the micro-batch size ('m' for linears, 'count' for batched attention)."""
+    in_core: bool = False
+    """Part of the attention core that selective recomputation re-runs."""
+
+    @property
+    def flops(self) -> float:
+        return 2.0 * self.m * self.n * self.k * self.count
+
+    def shape(self, micro_batch: int, tp: int) -> tuple[float, float, float, float]:
+        """(m, n, k, count) for a micro-batch on one tensor-parallel rank."""
+        dims = {"m": self.m, "n": self.n, "k": self.k, "count": self.count}
+        dims[self.batch_dim] *= micro_batch
+        if self.shard_dim:
+            dims[self.shard_dim] /= tp
+        return dims["m"], dims["n"], dims["k"], dims["count"]
+
+
+@dataclass(frozen=True)
+class ActivationBytes:
+    """Bytes a layer keeps for backward per sample, by recompute mode."""
+
+    none: Split = Split()
+    """Everything autograd saves."""
+    selective: Split = Split()
+    """The attention core is recomputed (Korthikanti et al. 2022): its internals are not kept."""
+    full: Split = Split()
+    """The whole layer is recomputed: only its input is kept."""
+
+    def __getitem__(self, mode: str) -> Split:
+        return getattr(self, mode)
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    """One pipeline unit (embedding, block, head, ...) and its costs per sample.
+
+    Equality and hashing ignore the name, so identical blocks share cached timings."""
+
+    name: str = field(compare=False)
+    """Unique name, e.g. 'block.3'."""
+    kind: str
+    """'embedding', 'block', 'head', or a model-specific unit kind."""
+    params: Split
+    """Parameter count."""
+    flops_fwd: Split
+    """Forward FLOPs (model FLOPs, as FlopCounterMode counts them)."""
+    flops_bwd: Split
+    """Backward FLOPs (input and weight gradients)."""
+    gemms_fwd: tuple[Gemm, ...] = ()
+    """Forward matmuls, for shape-dependent efficiency."""
+    gemms_bwd: tuple[Gemm, ...] = ()
+    """Backward matmuls."""
+    attention_flops_fwd: Split = Split()
+    """FLOPs of fused attention kernels (counted over the full s x s, causal or not)."""
+    attention_flops_bwd: Split = Split()
+    memory_bytes_fwd: Split = Split()
+    """HBM bytes read+written by the bandwidth-bound (non-matmul) kernels of the forward."""
+    memory_bytes_bwd: Split = Split()
+    core_memory_bytes_fwd: Split = Split()
+    """The part of memory_bytes_fwd inside the attention core (re-run by selective recompute)."""
+    kernels_fwd: int = 0
+    """Kernels launched by the forward (for launch overhead)."""
+    kernels_bwd: int = 0
+    activation_bytes: ActivationBytes = ActivationBytes()
+    """Bytes saved for backward per sample, by recompute mode ('none', 'selective', 'full')."""
+    output_bytes: float = 0.0
+    """Bytes of the output activation per sample (what a pipeline send carries)."""
+    tp_allreduces_fwd: int = 0
+    """Tensor-parallel all-reduces of an output-sized tensor per forward (the same count runs
+    in backward); with sequence parallelism each becomes a reduce-scatter + all-gather pair."""
+    causal: bool = False
+    """Attention is causal: fused kernels skip the masked half of the s x s work."""
+
+    def __post_init__(self):
+        # Specs are hashed on every cost lookup; compute the hash once.
+        object.__setattr__(self, "_hash", hash(tuple(getattr(self, f) for f in _LAYER_KEY_FIELDS)))
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def params_at(self, tp: int) -> float:
+        return self.params.at(tp)
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A model as an ordered list of pipeline units, at one sequence length and dtype."""
+
+    name: str
+    layers: tuple[LayerSpec, ...]
+    seq_len: int
+    """Tokens per sample (patches for vision models)."""
+    dtype: str = "bf16"
+    """Training compute dtype; activation and parameter bytes are in this dtype."""
+    heads: int = 0
+    """Attention heads (tensor-parallel degree must divide them); 0 = no constraint."""
+    kv_heads: int = 0
+    vocab: int = 0
+    hidden: int = 0
+    config: object | None = None
+    """The architecture config the spec came from (for the runtime and exports)."""
+    tokens_per_sample: int = 0
+    """Tokens a sample contributes to tokens/s (seq_len for LMs)."""
+    tp_shardable: bool = True
+    """Whether the layers were measured at sharded shapes (False: tensor parallelism not offered)."""
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    @property
+    def num_params(self) -> float:
+        return sum(l.params.total for l in self.layers)
+
+    def flops_per_sample(self) -> float:
+        """Model FLOPs of forward + backward for one sample (no recomputation)."""
+        return sum(l.flops_fwd.total + l.flops_bwd.total for l in self.layers)
+
+    def tp_degrees(self, limit: int = 64) -> list[int]:
+        """Tensor-parallel degrees this model's heads allow."""
+        if not self.tp_shardable:
+            return [1]
+        out = []
+        for t in range(1, limit + 1):
+            if self.heads and self.heads % t:
+                continue
+            if self.kv_heads and self.kv_heads % t and t % self.kv_heads:
+                continue
+            out.append(t)
+        return out
+
+    def describe(self) -> str:
+        return (f"{self.name}: {self.num_params / 1e9:.2f}B parameters, {self.num_layers} units, "
+                f"seq {self.seq_len}, {self.flops_per_sample() / 1e12:.1f} TFLOP per sample (fwd+bwd)")
+
+
+_LAYER_KEY_FIELDS = tuple(f for f in LayerSpec.__dataclass_fields__ if f != "name")

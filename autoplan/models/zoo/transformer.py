@@ -1,0 +1,362 @@
+"""GPT, Llama, BERT and mixture-of-experts transformers, built as a flat list of
+pipeline units: ``[TokenEmbedding, Block x layers, Head]``.
+
+Every unit maps one tensor to one tensor, so any contiguous slice of
+``model.layers`` is a pipeline stage. Every unit also declares a ``tp_plan()``
+naming which of its submodules a tensor-parallel runtime shards and how; the
+model code itself contains no parallelism.
+
+Two rules keep these modules usable by the planner, which runs them on ``meta``
+tensors under ``FlopCounterMode`` and autograd saved-tensor hooks, and by a
+DTensor runtime that shrinks weights in place:
+
+* no data-dependent Python control flow: every branch depends on the config
+  (fixed at construction) or on tensor *shapes*, never on tensor values;
+* attention derives its local head counts from tensor shapes
+  (``q.view(b, s, -1, head_dim)``), so a colwise-sharded ``wq`` with half the
+  output features simply yields half the heads.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from autoplan.models.config import TransformerConfig
+
+INIT_STD = 0.02
+"""Standard deviation of the normal init of every Linear/Embedding/Conv weight (GPT-2/Megatron)."""
+NORM_EPS = 1e-5
+ROPE_THETA = 10000.0
+"""RoPE base. Llama 3 uses 500000; the base changes no shape, FLOP or byte, so one value serves."""
+
+TP_STYLES = ("colwise", "rowwise", "norm", "embedding", "output")
+"""The sharding styles a unit's ``tp_plan()`` may name (see the module docstring of zoo)."""
+
+TPPlan = dict[str, str]
+
+
+def init_parameters(module: nn.Module) -> None:
+    """(Re-)initialise every parameter under ``module`` deterministically from the global
+    RNG: normal(0, 0.02) weights for Linear/Embedding/Conv, zero biases, unit norm scales.
+
+    Works on any unit or stage slice, so a runtime that builds on ``meta`` and calls
+    ``to_empty()`` can call this on just the units it holds (then ``tie_weights()``).
+    """
+    for m in module.modules():
+        if isinstance(m, (nn.Linear, nn.Conv2d)):
+            nn.init.normal_(m.weight, mean=0.0, std=INIT_STD)
+            if m.bias is not None:
+                nn.init.zeros_(m.bias)
+        elif isinstance(m, nn.Embedding):
+            nn.init.normal_(m.weight, mean=0.0, std=INIT_STD)
+        elif isinstance(m, (nn.LayerNorm, nn.RMSNorm)):
+            if m.weight is not None:
+                nn.init.ones_(m.weight)
+            if getattr(m, "bias", None) is not None:
+                nn.init.zeros_(m.bias)
+
+
+def make_norm(kind: str, dim: int) -> nn.Module:
+    """A LayerNorm or RMSNorm over the last dimension."""
+    if kind == "rmsnorm":
+        return nn.RMSNorm(dim, eps=NORM_EPS)
+    return nn.LayerNorm(dim, eps=NORM_EPS)
+
+
+class MLP(nn.Module):
+    """Position-wise feed-forward: ``w2(act(w1 x))``, or SwiGLU ``w2(w1 x * silu(w3 x))``.
+
+    ``w1`` is the up projection and ``w3`` the gate (SwiGLU only); both are colwise under
+    TP and ``w2`` (down) is rowwise, so the only communication is after ``w2``.
+    """
+
+    def __init__(self, dim: int, hidden: int, kind: str, bias: bool):
+        super().__init__()
+        self.kind = kind
+        self.w1 = nn.Linear(dim, hidden, bias=bias)
+        if kind == "swiglu":
+            self.w3 = nn.Linear(dim, hidden, bias=bias)
+        self.w2 = nn.Linear(hidden, dim, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kind == "swiglu":
+            return self.w2(self.w1(x) * F.silu(self.w3(x)))
+        if self.kind == "relu":
+            return self.w2(F.relu(self.w1(x)))
+        return self.w2(F.gelu(self.w1(x), approximate="tanh"))
+
+    def tp_plan(self) -> TPPlan:
+        plan = {"w1": "colwise", "w2": "rowwise"}
+        if self.kind == "swiglu":
+            plan["w3"] = "colwise"
+        return plan
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotary position embedding (Su et al. 2021), half-rotation layout, on [b, heads, s, d].
+
+    cos/sin are computed from positions on every call, on the input's device and dtype,
+    so there is no buffer to materialise and the same code runs on ``meta``.
+    """
+    s, d = q.shape[-2], q.shape[-1]
+    inv_freq = 1.0 / (ROPE_THETA ** (torch.arange(0, d, 2, device=q.device, dtype=torch.float32) / d))
+    angles = torch.outer(torch.arange(s, device=q.device, dtype=torch.float32), inv_freq)
+    angles = torch.cat((angles, angles), dim=-1)
+    cos, sin = angles.cos().to(q.dtype), angles.sin().to(q.dtype)
+    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def repeat_kv(k: torch.Tensor, q_heads: int) -> torch.Tensor:
+    """Expand [b, kv_heads, s, d] to [b, q_heads, s, d] for grouped-query attention.
+
+    The factor comes from the *local* head counts, so it stays right when both q and
+    kv projections are sharded by the same TP degree.
+    """
+    b, kv_heads, s, d = k.shape
+    rep = q_heads // kv_heads
+    if rep == 1:
+        return k
+    return k[:, :, None].expand(b, kv_heads, rep, s, d).reshape(b, kv_heads * rep, s, d)
+
+
+class FlashAttentionCore(nn.Module):
+    """Fused attention: softmax(q k^T / sqrt(d)) v without materialising the s x s scores.
+
+    Takes q [b, heads, s, d] and k, v [b, kv_heads, s, d] (kv_heads divides heads) and
+    returns [b, heads, s, d]. Parameter-free: it is what selective recomputation re-runs.
+    """
+
+    def __init__(self, causal: bool):
+        super().__init__()
+        self.causal = causal
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        k, v = repeat_kv(k, q.shape[1]), repeat_kv(v, q.shape[1])
+        if q.device.type == "meta":
+            # On meta, F.scaled_dot_product_attention has no fused kernel to pick and falls
+            # back to the math decomposition, which saves the s x s probabilities and counts
+            # its FLOPs as bmm's: the planner would then see "flash" cost like "math". Calling
+            # the flash op directly makes the traced saved tensors (q, k, v, out, logsumexp)
+            # and FLOPs those of the fused kernel a GPU run uses.
+            return torch.ops.aten._scaled_dot_product_flash_attention(
+                q, k, v, 0.0, self.causal)[0]
+        return F.scaled_dot_product_attention(q, k, v, is_causal=self.causal)
+
+
+class MathAttentionCore(nn.Module):
+    """Explicit attention, ``softmax(q k^T / sqrt(d) + causal mask) v``, as Megatron-LM did
+    before FlashAttention: autograd saves the [b, heads, s, s] probabilities, which is the
+    activation memory that selective recomputation exists to drop."""
+
+    def __init__(self, causal: bool):
+        super().__init__()
+        self.causal = causal
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        k, v = repeat_kv(k, q.shape[1]), repeat_kv(v, q.shape[1])
+        s = q.shape[-2]
+        # Scaling q (b*h*s*d elements) instead of the scores (b*h*s*s) is cheaper and saves nothing.
+        scores = (q * (1.0 / math.sqrt(q.shape[-1]))) @ k.transpose(-2, -1)
+        if self.causal:
+            future = torch.ones(s, s, dtype=torch.bool, device=q.device).triu(1)
+            scores = scores.masked_fill(future, float("-inf"))
+        return torch.softmax(scores, dim=-1) @ v
+
+
+class Attention(nn.Module):
+    """Multi-head / grouped-query self-attention with separate q, k, v, o projections
+    (separate so that q and k/v of different widths shard independently under TP)."""
+
+    def __init__(self, cfg: TransformerConfig):
+        super().__init__()
+        self.head_dim = cfg.head_dim  # fixed under TP; head *counts* come from shapes
+        self.rope = cfg.position == "rope"
+        self.wq = nn.Linear(cfg.hidden, cfg.heads * cfg.head_dim, bias=cfg.bias)
+        self.wk = nn.Linear(cfg.hidden, cfg.kv_heads * cfg.head_dim, bias=cfg.bias)
+        self.wv = nn.Linear(cfg.hidden, cfg.kv_heads * cfg.head_dim, bias=cfg.bias)
+        self.wo = nn.Linear(cfg.heads * cfg.head_dim, cfg.hidden, bias=cfg.bias)
+        core = FlashAttentionCore if cfg.attention == "flash" else MathAttentionCore
+        self.core = core(cfg.causal)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        q = self.wq(x).view(b, s, -1, self.head_dim).transpose(1, 2)
+        k = self.wk(x).view(b, s, -1, self.head_dim).transpose(1, 2)
+        v = self.wv(x).view(b, s, -1, self.head_dim).transpose(1, 2)
+        if self.rope:
+            q, k = apply_rope(q, k)
+        out = self.core(q, k, v)
+        return self.wo(out.transpose(1, 2).reshape(b, s, -1))
+
+    def tp_plan(self) -> TPPlan:
+        return {"wq": "colwise", "wk": "colwise", "wv": "colwise", "wo": "rowwise"}
+
+
+class MoE(nn.Module):
+    """Mixture of SwiGLU experts with expert-choice routing (Zhou et al., NeurIPS 2022).
+
+    Each expert takes its top-C tokens by router probability, C = ceil(tokens * top_k /
+    num_experts), runs them through its MLP and adds the outputs back weighted by the
+    probability. Why expert choice rather than Mixtral's token choice: with token choice
+    the number of tokens each expert receives depends on the data, so shapes are dynamic
+    and cannot be traced on ``meta``; with expert choice every shape is static, while the
+    expert compute per token (top_k experts' worth on average) and the parameter count are
+    exactly those of top-k token-choice routing.
+    """
+
+    def __init__(self, cfg: TransformerConfig):
+        super().__init__()
+        self.top_k = cfg.top_k
+        self.gate = nn.Linear(cfg.hidden, cfg.num_experts, bias=False)
+        self.experts = nn.ModuleList(
+            MLP(cfg.hidden, cfg.ffn_hidden, "swiglu", bias=False) for _ in range(cfg.num_experts))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])                          # [T, h]
+        tokens, experts = flat.shape[0], len(self.experts)
+        capacity = math.ceil(tokens * self.top_k / experts)        # <= tokens since top_k <= experts
+        probs = torch.softmax(self.gate(flat), dim=-1)             # [T, E]
+        weight, index = probs.t().topk(capacity, dim=-1)           # [E, C] each
+        outs = [expert(flat[index[e]]) for e, expert in enumerate(self.experts)]
+        outs = torch.stack(outs) * weight.unsqueeze(-1)            # [E, C, h]
+        out = torch.zeros_like(flat).index_add(0, index.reshape(-1), outs.reshape(-1, flat.shape[-1]))
+        return out.view_as(x)
+
+    def tp_plan(self) -> TPPlan:
+        # The router stays replicated: every rank needs all expert scores.
+        plan: TPPlan = {}
+        for e, expert in enumerate(self.experts):
+            plan.update({f"experts.{e}.{k}": v for k, v in expert.tp_plan().items()})
+        return plan
+
+
+class TokenEmbedding(nn.Module):
+    """First pipeline unit: token ids [b, s] -> hidden states [b, s, h].
+
+    Adds learned absolute positions (gpt, bert) and, for BERT, the embedding LayerNorm.
+    (BERT's segment/token-type embedding is left out: it is 2 x h parameters and needs a
+    second input, which would break the one-tensor-per-unit contract.)
+    """
+
+    def __init__(self, cfg: TransformerConfig):
+        super().__init__()
+        self.tok_embeddings = nn.Embedding(cfg.vocab, cfg.hidden)
+        self.learned_positions = cfg.position == "learned"
+        if self.learned_positions:
+            self.pos_embeddings = nn.Embedding(cfg.max_positions, cfg.hidden)
+        self.post_norm = cfg.arch == "bert"
+        if self.post_norm:
+            self.norm = make_norm(cfg.norm, cfg.hidden)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.tok_embeddings(tokens)
+        if self.learned_positions:
+            h = h + self.pos_embeddings(torch.arange(tokens.shape[1], device=tokens.device))
+        if self.post_norm:
+            h = self.norm(h)
+        return h
+
+    def tp_plan(self) -> TPPlan:
+        # Only the vocab-sharded table. Its output must stay replicated (positions are added
+        # to the full sequence), so under sequence parallelism the sequence is split at this
+        # unit's output; BERT's embedding norm therefore runs replicated, not as an SP region.
+        return {"tok_embeddings": "embedding"}
+
+
+class Block(nn.Module):
+    """One transformer layer: attention then MLP (or MoE), each with a residual.
+
+    Pre-norm (``x + f(norm(x))``) for gpt/llama/moe; post-norm (``norm(x + f(x))``) for BERT.
+    """
+
+    def __init__(self, cfg: TransformerConfig):
+        super().__init__()
+        self.pre_norm = cfg.arch != "bert"
+        self.attention_norm = make_norm(cfg.norm, cfg.hidden)
+        self.attention = Attention(cfg)
+        self.mlp_norm = make_norm(cfg.norm, cfg.hidden)
+        self.is_moe = cfg.arch == "moe"
+        if self.is_moe:
+            self.moe = MoE(cfg)
+        else:
+            self.mlp = MLP(cfg.hidden, cfg.ffn_hidden, cfg.mlp, cfg.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ffn = self.moe if self.is_moe else self.mlp
+        if self.pre_norm:
+            x = x + self.attention(self.attention_norm(x))
+            return x + ffn(self.mlp_norm(x))
+        x = self.attention_norm(x + self.attention(x))
+        return self.mlp_norm(x + ffn(x))
+
+    def tp_plan(self) -> TPPlan:
+        ffn_name = "moe" if self.is_moe else "mlp"
+        ffn = self.moe if self.is_moe else self.mlp
+        plan: TPPlan = {"attention_norm": "norm", "mlp_norm": "norm"}
+        plan.update({f"attention.{k}": v for k, v in self.attention.tp_plan().items()})
+        plan.update({f"{ffn_name}.{k}": v for k, v in ffn.tp_plan().items()})
+        return plan
+
+
+class Head(nn.Module):
+    """Last pipeline unit: hidden states [b, s, h] -> logits [b, s, vocab].
+
+    Decoders: final norm + ``output``. BERT: the MLM head (dense h->h, GELU, LayerNorm,
+    ``output``); its blocks are post-norm, so there is no separate final norm.
+    ``output`` has no bias so that it can share its weight with the token embedding.
+    """
+
+    def __init__(self, cfg: TransformerConfig):
+        super().__init__()
+        self.mlm = cfg.arch == "bert"
+        if self.mlm:
+            self.dense = nn.Linear(cfg.hidden, cfg.hidden, bias=cfg.bias)
+        self.norm = make_norm(cfg.norm, cfg.hidden)
+        self.output = nn.Linear(cfg.hidden, cfg.vocab, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.mlm:
+            x = F.gelu(self.dense(x), approximate="tanh")
+        return self.output(self.norm(x))
+
+    def tp_plan(self) -> TPPlan:
+        # BERT's dense h->h transform stays replicated (one h x h matrix per model).
+        return {"norm": "norm", "output": "output"}
+
+
+class TransformerModel(nn.Module):
+    """A transformer as a chain of pipeline units; ``forward`` just runs ``layers`` in order."""
+
+    def __init__(self, cfg: TransformerConfig):
+        super().__init__()
+        cfg = cfg.resolved()
+        self.config = cfg
+        self.layers = nn.ModuleList(
+            [TokenEmbedding(cfg), *(Block(cfg) for _ in range(cfg.layers)), Head(cfg)])
+        init_parameters(self)
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        """Make the head's output weight the embedding weight when ``tie_embeddings``.
+
+        Tying only happens when both units live in this one model object. A pipeline stage
+        that holds the head without the embedding keeps its own copy, and the runtime must
+        keep the two copies equal (Megatron all-reduces their gradients between the first
+        and last stage). Call again after ``to_empty()``, which may untie them.
+        """
+        if self.config.tie_embeddings:
+            self.layers[-1].output.weight = self.layers[0].tok_embeddings.weight
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = tokens
+        for unit in self.layers:
+            x = unit(x)
+        return x

@@ -1,0 +1,326 @@
+"""Plan: how a model is split over a cluster. JSON round-trippable and validated.
+
+A plan has ``pp`` device groups (pipeline ranks), each a set of cluster ranks laid out
+as a (dp x tp) grid with tensor-parallel ranks adjacent (inside a node). The model's
+units are cut into ``pp * virtual_stages`` contiguous *stages*; stage ``s`` runs on
+group ``s % pp`` (interleaved schedules loop over the groups ``virtual_stages`` times).
+Data-parallel degree is the same for every group, so every micro-batch passes every
+stage once; tensor-parallel degree may differ per group (heterogeneous clusters).
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Sequence
+
+from autoplan.errors import ConfigError
+from autoplan.fields import FieldReader
+from autoplan.models.spec import RECOMPUTE_MODES
+
+if TYPE_CHECKING:
+    from autoplan.cluster import Cluster
+    from autoplan.models.spec import ModelSpec
+
+SCHEMA_VERSION = 1
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble")
+
+
+@dataclass(frozen=True)
+class DeviceGroup:
+    """The ranks that run one pipeline position."""
+
+    ranks: tuple[int, ...]
+    """Cluster ranks, laid out dp-major: ranks[d * tp + t] is data replica d, tensor shard t."""
+    tp: int
+    """Tensor-parallel degree inside this group."""
+
+    @property
+    def dp(self) -> int:
+        return len(self.ranks) // self.tp
+
+    def tp_groups(self) -> list[tuple[int, ...]]:
+        return [self.ranks[d * self.tp:(d + 1) * self.tp] for d in range(self.dp)]
+
+    def dp_groups(self) -> list[tuple[int, ...]]:
+        return [self.ranks[t::self.tp] for t in range(self.tp)]
+
+
+@dataclass(frozen=True)
+class Stage:
+    """A contiguous run of model units on one device group."""
+
+    start: int
+    """First unit (index into ModelSpec.layers)."""
+    end: int
+    """One past the last unit."""
+    group: int
+    """Index into Plan.groups."""
+    recompute: str = "none"
+    """'none', 'selective' (attention core only) or 'full' (whole units) for this stage."""
+
+    @property
+    def num_layers(self) -> int:
+        return self.end - self.start
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A complete parallelization decision for one training iteration."""
+
+    groups: tuple[DeviceGroup, ...]
+    """One device group per pipeline rank (pp = len(groups))."""
+    stages: tuple[Stage, ...]
+    """pp * virtual_stages stages in model order; stage s runs on groups[stages[s].group]."""
+    micro_batch: int
+    """Samples per micro-batch on one data-parallel replica."""
+    num_micro_batches: int
+    """Micro-batches per iteration per data-parallel replica (gradient accumulation steps)."""
+    schedule: str = "1f1b"
+    """'gpipe', '1f1b', 'interleaved-1f1b' or 'zero-bubble' (ZB-H1: split input/weight grads)."""
+    virtual_stages: int = 1
+    """Stages per device group (>1 only with interleaved-1f1b)."""
+    sequence_parallel: bool = False
+    """Megatron sequence parallelism in the tensor-parallel groups."""
+    zero: int = 0
+    """ZeRO stage 0-3 over the data-parallel group (1: optimizer states, 2: + gradients,
+    3: + parameters sharded)."""
+    dtype: str = "bf16"
+    """Compute dtype (mixed precision with fp32 master weights and Adam states)."""
+    model: str = ""
+    """Name of the model the plan was made for (informational)."""
+    seq_len: int = 0
+    """Sequence length the plan was made for (informational; 0 = unknown)."""
+
+    # ------------------------------------------------------------- derived
+    @property
+    def pp(self) -> int:
+        return len(self.groups)
+
+    @property
+    def dp(self) -> int:
+        return self.groups[0].dp
+
+    @property
+    def tp(self) -> int:
+        """The tensor-parallel degree when uniform; the largest one otherwise."""
+        return max(g.tp for g in self.groups)
+
+    @property
+    def num_gpus(self) -> int:
+        return sum(len(g.ranks) for g in self.groups)
+
+    @property
+    def global_batch(self) -> int:
+        return self.micro_batch * self.num_micro_batches * self.dp
+
+    @property
+    def recompute(self) -> str:
+        modes = {s.recompute for s in self.stages}
+        return modes.pop() if len(modes) == 1 else "mixed"
+
+    def stages_of_group(self, g: int) -> list[int]:
+        return [i for i, s in enumerate(self.stages) if s.group == g]
+
+    def describe(self) -> str:
+        tps = sorted({g.tp for g in self.groups})
+        tp = str(tps[0]) if len(tps) == 1 else "/".join(str(g.tp) for g in self.groups)
+        split = ",".join(str(s.num_layers) for s in self.stages)
+        v = f" v={self.virtual_stages}" if self.virtual_stages > 1 else ""
+        return (f"dp={self.dp} tp={tp} pp={self.pp}{v} mb={self.micro_batch}x{self.num_micro_batches} "
+                f"{self.schedule} zero={self.zero} recompute={self.recompute}"
+                f"{' sp' if self.sequence_parallel else ''} split=[{split}]")
+
+    # ---------------------------------------------------------- construction
+    @classmethod
+    def uniform(cls, model: "ModelSpec", cluster: "Cluster", *, tp: int, pp: int, dp: int,
+                micro_batch: int, global_batch: int, schedule: str = "1f1b", virtual_stages: int = 1,
+                recompute: str = "none", sequence_parallel: bool = False, zero: int = 0,
+                dtype: str = "bf16", first_rank: int = 0) -> "Plan":
+        """Megatron-style plan: ranks in order (tensor-parallel fastest, then data, then
+        pipeline), transformer blocks split evenly, embedding on the first stage and the
+        head on the last."""
+        for name, v in (("tp", tp), ("pp", pp), ("dp", dp), ("micro_batch", micro_batch),
+                        ("global_batch", global_batch), ("virtual_stages", virtual_stages)):
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ConfigError(name, f"must be a positive integer, got {v!r}")
+        if global_batch % (micro_batch * dp):
+            raise ConfigError("global_batch", f"{global_batch} is not divisible by micro_batch*dp = "
+                              f"{micro_batch}*{dp}", "pick a global batch that is a multiple of it")
+        per_group = tp * dp
+        groups = tuple(DeviceGroup(ranks=tuple(range(first_rank + p * per_group,
+                                                     first_rank + (p + 1) * per_group)), tp=tp)
+                       for p in range(pp))
+        n_stages = pp * virtual_stages
+        bounds = even_split(model, n_stages)
+        stages = tuple(Stage(start=a, end=b, group=s % pp, recompute=recompute)
+                       for s, (a, b) in enumerate(bounds))
+        plan = cls(groups=groups, stages=stages, micro_batch=micro_batch,
+                   num_micro_batches=global_batch // (micro_batch * dp), schedule=schedule,
+                   virtual_stages=virtual_stages, sequence_parallel=sequence_parallel, zero=zero,
+                   dtype=dtype, model=model.name, seq_len=model.seq_len)
+        plan.validate(model, cluster)
+        return plan
+
+    def with_split(self, bounds: Sequence[tuple[int, int]]) -> "Plan":
+        stages = tuple(replace(s, start=a, end=b) for s, (a, b) in zip(self.stages, bounds))
+        return replace(self, stages=stages)
+
+    # ------------------------------------------------------------ validation
+    def validate(self, model: "ModelSpec | None" = None, cluster: "Cluster | None" = None) -> "Plan":
+        """Check the plan against itself, the model and the cluster; raise ConfigError
+        naming the first broken field."""
+        if not self.groups:
+            raise ConfigError("groups", "a plan needs at least one device group")
+        if self.schedule not in SCHEDULES:
+            raise ConfigError("schedule", f"{self.schedule!r} is not one of {list(SCHEDULES)}")
+        if self.zero not in (0, 1, 2, 3):
+            raise ConfigError("zero", f"must be 0, 1, 2 or 3, got {self.zero!r}")
+        for name in ("micro_batch", "num_micro_batches", "virtual_stages"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                raise ConfigError(name, f"must be a positive integer, got {v!r}")
+        if self.virtual_stages > 1 and self.schedule != "interleaved-1f1b":
+            raise ConfigError("virtual_stages", f"{self.virtual_stages} needs schedule 'interleaved-1f1b'",
+                              f"got schedule {self.schedule!r}; set virtual_stages to 1")
+        seen: set[int] = set()
+        for i, g in enumerate(self.groups):
+            where = f"groups[{i}]"
+            if g.tp < 1 or len(g.ranks) % g.tp:
+                raise ConfigError(f"{where}.tp", f"{g.tp} does not divide the group's {len(g.ranks)} ranks")
+            if g.dp != self.groups[0].dp:
+                raise ConfigError(f"{where}.ranks", f"data-parallel degree {g.dp} differs from group 0's "
+                                  f"{self.groups[0].dp}", "every pipeline rank needs the same dp")
+            dup = seen.intersection(g.ranks)
+            if dup:
+                raise ConfigError(f"{where}.ranks", f"rank {min(dup)} is used twice")
+            seen.update(g.ranks)
+            if cluster is not None and max(g.ranks) >= cluster.num_gpus:
+                raise ConfigError(f"{where}.ranks", f"rank {max(g.ranks)} does not exist: the cluster has "
+                                  f"{cluster.num_gpus} GPUs", "use fewer GPUs or a bigger cluster")
+            if min(g.ranks) < 0:
+                raise ConfigError(f"{where}.ranks", "ranks must be >= 0")
+        if len(self.stages) != self.pp * self.virtual_stages:
+            raise ConfigError("stages", f"{len(self.stages)} stages, expected pp*virtual_stages = "
+                              f"{self.pp}*{self.virtual_stages}")
+        prev_end = 0
+        for i, s in enumerate(self.stages):
+            where = f"stages[{i}]"
+            if s.group != i % self.pp:
+                raise ConfigError(f"{where}.group", f"is {s.group}, expected {i % self.pp} "
+                                  "(stage s runs on group s % pp)")
+            if s.start != prev_end:
+                raise ConfigError(f"{where}.start", f"is {s.start}, expected {prev_end}: stages must cover "
+                                  "the model's units contiguously and in order")
+            if s.end <= s.start:
+                raise ConfigError(f"{where}.end", f"stage {i} is empty ({s.start}..{s.end})",
+                                  "use fewer pipeline stages")
+            if s.recompute not in RECOMPUTE_MODES:
+                raise ConfigError(f"{where}.recompute", f"{s.recompute!r} is not one of {list(RECOMPUTE_MODES)}")
+            prev_end = s.end
+        if model is not None:
+            if prev_end != model.num_layers:
+                raise ConfigError(f"stages[{len(self.stages) - 1}].end", f"is {prev_end}, but the model has "
+                                  f"{model.num_layers} units: every unit needs a stage")
+            allowed = model.tp_degrees(max(g.tp for g in self.groups))
+            for i, g in enumerate(self.groups):
+                if g.tp not in allowed:
+                    raise ConfigError(f"groups[{i}].tp", f"{g.tp} does not divide the model's attention heads "
+                                      f"({model.heads} heads, {model.kv_heads} kv heads)",
+                                      f"allowed: {allowed}")
+        return self
+
+    # ------------------------------------------------------------------ JSON
+    def to_dict(self) -> dict:
+        return {
+            "schema_version": SCHEMA_VERSION, "model": self.model, "seq_len": self.seq_len,
+            "dtype": self.dtype, "schedule": self.schedule, "virtual_stages": self.virtual_stages,
+            "micro_batch": self.micro_batch, "num_micro_batches": self.num_micro_batches,
+            "global_batch": self.global_batch, "sequence_parallel": self.sequence_parallel,
+            "zero": self.zero,
+            "groups": [{"ranks": list(g.ranks), "tp": g.tp} for g in self.groups],
+            "stages": [{"layers": [s.start, s.end], "group": s.group, "recompute": s.recompute}
+                       for s in self.stages],
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict, where: str = "plan") -> "Plan":
+        r = FieldReader(data, where)
+        r.reject_unknown(("schema_version", "model", "seq_len", "dtype", "schedule", "virtual_stages",
+                          "micro_batch", "num_micro_batches", "global_batch", "sequence_parallel",
+                          "zero", "groups", "stages", "estimate"))
+        version = r.int("schema_version")
+        if version > SCHEMA_VERSION:
+            raise ConfigError(r.path("schema_version"), f"{version} is newer than this autoplan "
+                              f"understands ({SCHEMA_VERSION})", "upgrade autoplan")
+        groups = []
+        for g in r.items("groups", nonempty=True):
+            g.reject_unknown(("ranks", "tp", "device"))
+            ranks = g.list("ranks", nonempty=True)
+            for j, x in enumerate(ranks):
+                if not isinstance(x, int) or isinstance(x, bool):
+                    raise ConfigError(f"{g.path('ranks')}[{j}]", f"must be an integer rank, got {x!r}")
+            groups.append(DeviceGroup(ranks=tuple(ranks), tp=g.int("tp", minimum=1)))
+        stages = []
+        for s in r.items("stages", nonempty=True):
+            s.reject_unknown(("layers", "group", "recompute"))
+            span = s.list("layers")
+            if len(span) != 2 or not all(isinstance(x, int) and not isinstance(x, bool) for x in span):
+                raise ConfigError(s.path("layers"), f"must be [start, end] integers, got {span!r}")
+            stages.append(Stage(start=span[0], end=span[1], group=s.int("group", minimum=0),
+                                recompute=s.str("recompute", "none", choices=RECOMPUTE_MODES)))
+        plan = cls(groups=tuple(groups), stages=tuple(stages),
+                   micro_batch=r.int("micro_batch", minimum=1),
+                   num_micro_batches=r.int("num_micro_batches", minimum=1),
+                   schedule=r.str("schedule", "1f1b", choices=SCHEDULES),
+                   virtual_stages=r.int("virtual_stages", 1, minimum=1),
+                   sequence_parallel=r.bool("sequence_parallel", False),
+                   zero=r.int("zero", 0, minimum=0), dtype=r.str("dtype", "bf16", choices=("bf16", "fp16", "fp32")),
+                   model=r.str("model", ""), seq_len=r.int("seq_len", 0, minimum=0))
+        if r.has("global_batch") and r.int("global_batch") != plan.global_batch:
+            raise ConfigError(r.path("global_batch"), f"is {r.int('global_batch')}, but micro_batch * "
+                              f"num_micro_batches * dp = {plan.global_batch}")
+        return plan.validate()
+
+    def save(self, path: str | Path, extra: dict | None = None) -> None:
+        d = self.to_dict()
+        if extra:
+            d.update(extra)
+        Path(path).write_text(json.dumps(d, indent=2) + "\n")
+
+    @classmethod
+    def load(cls, path: str | Path) -> "Plan":
+        path = Path(path)
+        try:
+            data = json.loads(path.read_text())
+        except FileNotFoundError:
+            raise ConfigError(str(path), "file not found") from None
+        except json.JSONDecodeError as e:
+            raise ConfigError(str(path), f"is not valid JSON (line {e.lineno}: {e.msg})") from None
+        return cls.from_dict(data, where=path.name)
+
+
+def even_split(model: "ModelSpec", n_stages: int) -> list[tuple[int, int]]:
+    """Megatron's split: transformer blocks evenly over stages, the embedding joins the
+    first stage and the head the last; leftover blocks go to the middle stages."""
+    n = model.num_layers
+    kinds = [l.kind for l in model.layers]
+    lead = 1 if kinds and kinds[0] == "embedding" else 0
+    tail = 1 if n - lead > 0 and kinds[-1] == "head" else 0
+    body = n - lead - tail
+    if n_stages > max(body, 1):
+        raise ConfigError("pp", f"{n_stages} stages for {body} blocks", "use fewer pipeline stages "
+                          "(or virtual stages) than the model has blocks")
+    base, extra = divmod(body, n_stages)
+    # Extra blocks go to stages away from the first and last, which already hold the
+    # embedding and head.
+    order = sorted(range(n_stages), key=lambda s: (s in (0, n_stages - 1), abs(s - (n_stages - 1) / 2)))
+    counts = [base] * n_stages
+    for s in order[:extra]:
+        counts[s] += 1
+    bounds, start = [], 0
+    for s, c in enumerate(counts):
+        end = start + c + (lead if s == 0 else 0) + (tail if s == n_stages - 1 else 0)
+        bounds.append((start, end))
+        start = end
+    return bounds

@@ -1,0 +1,208 @@
+"""A plan lowered to a space-time program: for every pipeline rank, the ordered list of
+compute actions it runs in one iteration.
+
+Actions are forward ``F``, full backward ``B``, or — for zero-bubble — backward split
+into input-gradient ``I`` and weight-gradient ``W``, each on (stage, micro-batch).
+Communication is never written per schedule: :meth:`ScheduleProgram.dependencies`
+derives it from data dependencies (a stage's forward needs the previous stage's
+forward output; its backward needs the next stage's input gradient), and a dependency
+whose two actions sit on different pipeline ranks is a send/recv pair. The cost model
+simulates exactly this program, and the runtime hands the same per-rank lists to
+``torch.distributed.pipelining``'s schedule runtime, so what is estimated is what runs.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterator
+
+from autoplan.errors import ConfigError
+from autoplan.plan import Plan
+
+KINDS = ("F", "B", "I", "W")
+
+
+@dataclass(frozen=True, order=True)
+class Action:
+    """One compute action of one micro-batch on one stage."""
+
+    stage: int
+    kind: str
+    """'F' forward, 'B' full backward, 'I' input-gradient backward, 'W' weight-gradient backward."""
+    micro_batch: int
+
+    def __str__(self) -> str:
+        # torch.distributed.pipelining's compact action notation, e.g. '2F5'.
+        return f"{self.stage}{self.kind}{self.micro_batch}"
+
+
+@dataclass(frozen=True)
+class ScheduleProgram:
+    """Per-rank ordered compute actions for one iteration."""
+
+    ranks: tuple[tuple[Action, ...], ...]
+    """ranks[g] = actions of pipeline rank (device group) g, in execution order."""
+    num_stages: int
+    num_micro_batches: int
+    stage_to_rank: tuple[int, ...]
+    """Which pipeline rank runs each stage."""
+
+    @property
+    def split_backward(self) -> bool:
+        return any(a.kind == "I" for r in self.ranks for a in r)
+
+    def dependencies(self, action: Action) -> Iterator[Action]:
+        """Actions whose results ``action`` consumes (data dependencies only)."""
+        s, m = action.stage, action.micro_batch
+        last = self.num_stages - 1
+        if action.kind == "F":
+            if s > 0:
+                yield Action(s - 1, "F", m)
+        elif action.kind in ("B", "I"):
+            yield Action(s, "F", m)
+            if s < last:
+                yield Action(s + 1, "I" if self.split_backward else "B", m)
+        elif action.kind == "W":
+            yield Action(s, "I", m)
+
+    def crosses_ranks(self, producer: Action, consumer: Action) -> bool:
+        return self.stage_to_rank[producer.stage] != self.stage_to_rank[consumer.stage]
+
+    def to_compute_only(self) -> list[list[str]]:
+        """Per-rank action strings, the 'compute_only' form torch.distributed.pipelining's
+        ``_PipelineScheduleRuntime`` loads (communication is added by the runtime)."""
+        return [[str(a) for a in r] for r in self.ranks]
+
+    def to_csv(self) -> str:
+        return "\n".join(",".join(row) for row in self.to_compute_only()) + "\n"
+
+    def validate(self) -> None:
+        """Every (stage, micro-batch) is computed exactly once per kind, on its own rank."""
+        kinds = ("F", "I", "W") if self.split_backward else ("F", "B")
+        expected = {Action(s, k, m) for s in range(self.num_stages) for k in kinds
+                    for m in range(self.num_micro_batches)}
+        seen = [a for r in self.ranks for a in r]
+        if len(seen) != len(set(seen)) or set(seen) != expected:
+            raise AssertionError("schedule program does not compute every action exactly once")
+        for g, r in enumerate(self.ranks):
+            for a in r:
+                if self.stage_to_rank[a.stage] != g:
+                    raise AssertionError(f"{a} placed on rank {g}")
+
+
+def build_program(plan: Plan) -> ScheduleProgram:
+    """Lower a plan's pipeline schedule to per-rank action lists."""
+    p, m, v = plan.pp, plan.num_micro_batches, plan.virtual_stages
+    stage_to_rank = tuple(s.group for s in plan.stages)
+    if plan.schedule == "gpipe":
+        ranks = [_gpipe(g, p, m) for g in range(p)]
+    elif plan.schedule == "1f1b":
+        ranks = [_one_f_one_b(g, p, m) for g in range(p)]
+    elif plan.schedule == "interleaved-1f1b":
+        if v > 1 and m % p:
+            raise ConfigError("num_micro_batches", f"{m} is not a multiple of pp={p}, which the "
+                              "interleaved schedule needs", "change the global batch or micro-batch size")
+        ranks = [_interleaved(g, p, m, v) for g in range(p)]
+    elif plan.schedule == "zero-bubble":
+        ranks = _zero_bubble(p, m)
+    else:
+        raise ConfigError("schedule", f"unknown schedule {plan.schedule!r}")
+    prog = ScheduleProgram(ranks=tuple(tuple(r) for r in ranks), num_stages=len(plan.stages),
+                           num_micro_batches=m, stage_to_rank=stage_to_rank)
+    prog.validate()
+    return prog
+
+
+def _gpipe(g: int, p: int, m: int) -> list[Action]:
+    return [Action(g, "F", i) for i in range(m)] + [Action(g, "B", i) for i in range(m)]
+
+
+def _one_f_one_b(g: int, p: int, m: int) -> list[Action]:
+    """PipeDream-Flush / Megatron 1F1B: p-g-1 warm-up forwards, then alternate."""
+    warmup = min(p - g - 1, m)
+    out = [Action(g, "F", i) for i in range(warmup)]
+    f, b = warmup, 0
+    while b < m:
+        if f < m:
+            out.append(Action(g, "F", f))
+            f += 1
+        out.append(Action(g, "B", b))
+        b += 1
+    return out
+
+
+def _interleaved(g: int, p: int, m: int, v: int) -> list[Action]:
+    """Megatron-LM's interleaved 1F1B (Narayanan et al. 2021, §2.2): rank g owns stages
+    g, g+p, ..., and micro-batches advance through its chunks in groups of p."""
+    total = m * v
+
+    def fwd(k: int) -> Action:
+        chunk = (k // p) % v
+        mb = (k // (p * v)) * p + k % p
+        return Action(chunk * p + g, "F", mb)
+
+    def bwd(k: int) -> Action:
+        chunk = v - 1 - (k // p) % v
+        mb = (k // (p * v)) * p + k % p
+        return Action(chunk * p + g, "B", mb)
+
+    if v == 1:
+        return _one_f_one_b(g, p, m)
+    warmup = min((p - g - 1) * 2 + (v - 1) * p, total)
+    out = [fwd(k) for k in range(warmup)]
+    f, b = warmup, 0
+    while b < total:
+        if f < total:
+            out.append(fwd(f))
+            f += 1
+        out.append(bwd(b))
+        b += 1
+    return out
+
+
+def _zero_bubble(p: int, m: int) -> list[list[Action]]:
+    """ZB-H1 (Qi et al., ICLR 2024): 1F1B with the backward split into I and W, where a
+    rank runs a deferred W whenever its next F or I is not ready yet, so weight-gradient
+    work fills the pipeline bubbles.
+
+    The order is fixed by a list-scheduling pass with unit action times (F = I = W,
+    free communication), which makes it a static program the runtime can execute;
+    W's of a rank are held back by at most its 1F1B warm-up depth so that activation
+    memory stays that of 1F1B."""
+    orders = [[a if a.kind == "F" else Action(a.stage, "I", a.micro_batch)
+               for a in _one_f_one_b(g, p, m)] for g in range(p)]
+    done: dict[Action, int] = {}
+    pos = [0] * p
+    pending: list[list[int]] = [[] for _ in range(p)]
+    out: list[list[Action]] = [[] for _ in range(p)]
+    free_at = [0] * p
+    t = 0
+    while any(pos[g] < len(orders[g]) or pending[g] for g in range(p)):
+        for g in range(p):
+            if free_at[g] > t:
+                continue
+            nxt = orders[g][pos[g]] if pos[g] < len(orders[g]) else None
+            ready = nxt is not None and all(done.get(d, 1 << 30) <= t for d in _zb_deps(nxt, p))
+            limit = p - g - 1
+            if ready and (nxt.kind != "I" or len(pending[g]) <= limit):
+                act = nxt
+                pos[g] += 1
+                if act.kind == "I":
+                    pending[g].append(act.micro_batch)
+            elif pending[g]:
+                act = Action(g, "W", pending[g].pop(0))
+            else:
+                continue
+            out[g].append(act)
+            done[act] = t + 1
+            free_at[g] = t + 1
+        t += 1
+    return out
+
+
+def _zb_deps(a: Action, p: int) -> list[Action]:
+    if a.kind == "F":
+        return [Action(a.stage - 1, "F", a.micro_batch)] if a.stage > 0 else []
+    deps = [Action(a.stage, "F", a.micro_batch)]
+    if a.stage < p - 1:
+        deps.append(Action(a.stage + 1, "I", a.micro_batch))
+    return deps

@@ -1,0 +1,75 @@
+"""Communication time: alpha-beta costs of collectives and point-to-point transfers over
+the actual ranks of a group.
+
+A ring visits every member once, so it runs at the slowest link it crosses; a group
+that spans nodes is reduced hierarchically (reduce-scatter inside each node, the
+network phase among nodes on 1/k of the data per GPU, all-gather inside the node), as
+NCCL's tree/ring algorithms effectively do on rail-optimized clusters.
+"""
+from __future__ import annotations
+
+from collections import Counter
+from typing import Sequence
+
+from autoplan.cluster import Cluster
+from costmodel.efficiency import default_efficiency
+
+# Fraction of the transferred data each primitive moves per rank, relative to
+# an all-reduce's 2(n-1)/n (all-gather and reduce-scatter are half of it).
+_FACTOR = {"all_reduce": 2.0, "all_gather": 1.0, "reduce_scatter": 1.0, "all_to_all": 1.0}
+
+
+def _net_eff(cluster: Cluster, ranks: Sequence[int]) -> float:
+    return min(default_efficiency(cluster.slots[r].device.name).network for r in ranks)
+
+
+def collective_time(cluster: Cluster, ranks: Sequence[int], nbytes: float, kind: str = "all_reduce") -> float:
+    """Seconds for a collective of ``nbytes`` (the full tensor size) over ``ranks``."""
+    n = len(ranks)
+    if n <= 1 or nbytes <= 0:
+        return 0.0
+    factor = _FACTOR[kind]
+    eff = _net_eff(cluster, ranks)
+    per_node = Counter(cluster.slots[r].node for r in ranks)
+    nodes = len(per_node)
+    if kind == "all_to_all":
+        link = cluster.slowest_link(ranks)
+        return (n - 1) * link.latency + (n - 1) / n * nbytes / (link.bandwidth * eff)
+    if nodes == 1:
+        link = cluster.slowest_link(ranks)
+        return factor * ((n - 1) * link.latency + (n - 1) / n * nbytes / (link.bandwidth * eff))
+    # Hierarchical: k GPUs per node (the smallest share bounds the network phase).
+    k = min(per_node.values())
+    nodes_ranks = {}
+    for r in ranks:
+        nodes_ranks.setdefault(cluster.slots[r].node, r)
+    inter = cluster.slowest_link(list(nodes_ranks.values()))
+    t = factor * ((nodes - 1) * inter.latency + (nodes - 1) / nodes * (nbytes / k) / (inter.bandwidth * eff))
+    if k > 1:
+        intra = min((cluster.groups[cluster.slots[r].group].intra_node for r in ranks),
+                    key=lambda l: l.bandwidth)
+        t += factor * ((k - 1) * intra.latency + (k - 1) / k * nbytes / (intra.bandwidth * eff))
+    return t
+
+
+def p2p_time(cluster: Cluster, src: Sequence[Sequence[int]], dst: Sequence[Sequence[int]],
+             nbytes: float) -> float:
+    """Seconds to pass one micro-batch's activation (``nbytes`` per data-parallel replica)
+    from one pipeline group to the next. ``src``/``dst`` list each replica's
+    tensor-parallel ranks. Each replica sends its own micro-batch, and within a replica
+    the tensor-parallel ranks each send 1/t of it in parallel (Megatron's scatter/gather),
+    so the slowest pair link bounds the transfer."""
+    if nbytes <= 0:
+        return 0.0
+    worst = 0.0
+    for s_ranks, d_ranks in zip(src, dst):
+        width = min(len(s_ranks), len(d_ranks))
+        share = nbytes / width
+        for i in range(width):
+            a, b = s_ranks[i], d_ranks[i]
+            if a == b:
+                continue
+            link = cluster.link(a, b)
+            eff = _net_eff(cluster, (a, b))
+            worst = max(worst, link.latency + share / (link.bandwidth * eff))
+    return worst

@@ -1,0 +1,105 @@
+"""Compute time of one layer on one device: from a measured profile when there is one,
+otherwise a roofline over the layer's measured matmul shapes, fused-attention FLOPs and
+bandwidth-bound bytes, with shape-dependent efficiency (wave quantization, short
+reductions) from :mod:`costmodel.efficiency`."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Protocol
+
+from autoplan.catalog import DeviceSpec
+from autoplan.models.spec import Gemm, LayerSpec
+from autoplan.units import DTYPE_BYTES
+from costmodel.efficiency import Efficiency, default_efficiency
+
+
+@dataclass(frozen=True)
+class LayerTiming:
+    """Seconds one layer takes for one micro-batch on one tensor-parallel rank
+    (tensor-parallel communication excluded; the stage model adds it)."""
+
+    forward: float
+    backward: float
+    """Full backward (input + weight gradients)."""
+    backward_input: float
+    """Input-gradient part of the backward (zero-bubble's I)."""
+    backward_weight: float
+    """Weight-gradient part (zero-bubble's W)."""
+    recompute_selective: float
+    """Extra backward time when the attention core is recomputed."""
+    source: str = "roofline"
+    """'measured' (a profile of this device) or 'roofline' (catalog peaks x efficiency)."""
+
+
+class ProfileSource(Protocol):
+    """Anything that can time a layer from measurements (see autoplan.profiler.ProfileStore)."""
+
+    def layer_timing(self, device: DeviceSpec, layer: LayerSpec, micro_batch: int, tp: int,
+                     sequence_parallel: bool, dtype: str) -> LayerTiming | None: ...
+
+    def efficiency(self, device: DeviceSpec) -> Efficiency | None: ...
+
+
+def gemm_time(device: DeviceSpec, eff: Efficiency, m: float, n: float, k: float, count: float,
+              dtype: str) -> float:
+    """Seconds for ``count`` GEMMs of (m x k) @ (k x n)."""
+    if m <= 0 or n <= 0 or k <= 0 or count <= 0:
+        return 0.0
+    flops = 2.0 * m * n * k * count
+    util = 1.0
+    if device.compute_units and eff.tile > 1:
+        tm, tn = math.ceil(m / eff.tile), math.ceil(n / eff.tile)
+        tiles = tm * tn * math.ceil(count)
+        waves = math.ceil(tiles / device.compute_units)
+        # Partial tiles at the edges and a last, partly filled wave both idle SMs.
+        util = (tiles / (waves * device.compute_units)) * (m * n) / (tm * tn * eff.tile ** 2)
+    k_eff = k / (k + eff.k_half)
+    t_compute = flops / (device.peak(dtype) * eff.matmul * util * k_eff)
+    t_memory = (m * k + k * n + m * n) * count * DTYPE_BYTES[dtype] / (device.memory_bandwidth * eff.memory)
+    return max(t_compute, t_memory)
+
+
+def _gemms_time(device, eff, gemms: tuple[Gemm, ...], micro_batch: int, tp: int, dtype: str,
+                select=lambda g: True) -> float:
+    total = 0.0
+    for g in gemms:
+        if select(g):
+            total += gemm_time(device, eff, *g.shape(micro_batch, tp), dtype)
+    return total
+
+
+@lru_cache(maxsize=65536)
+def roofline_timing(device: DeviceSpec, eff: Efficiency, layer: LayerSpec, micro_batch: int, tp: int,
+                    sequence_parallel: bool, dtype: str) -> LayerTiming:
+    """Roofline estimate of one layer (cached: the search asks for the same layer often)."""
+    b, sp = micro_batch, sequence_parallel
+    peak = device.peak(dtype)
+    causal = 0.5 if layer.causal else 1.0
+    bw = device.memory_bandwidth * eff.memory
+    attn_f = layer.attention_flops_fwd.at(tp) * b * causal / (peak * eff.attention_fwd)
+    attn_b = layer.attention_flops_bwd.at(tp) * b * causal / (peak * eff.attention_bwd)
+    fwd = (_gemms_time(device, eff, layer.gemms_fwd, b, tp, dtype) + attn_f
+           + layer.memory_bytes_fwd.at(tp, sp) * b / bw + layer.kernels_fwd * eff.launch_s)
+    weight = _gemms_time(device, eff, layer.gemms_bwd, b, tp, dtype, lambda g: g.batch_dim == "k")
+    data = _gemms_time(device, eff, layer.gemms_bwd, b, tp, dtype, lambda g: g.batch_dim != "k")
+    other = attn_b + layer.memory_bytes_bwd.at(tp, sp) * b / bw + layer.kernels_bwd * eff.launch_s
+    core = (_gemms_time(device, eff, layer.gemms_fwd, b, tp, dtype, lambda g: g.in_core) + attn_f
+            + layer.core_memory_bytes_fwd.at(tp, sp) * b / bw)
+    return LayerTiming(forward=fwd, backward=weight + data + other, backward_input=data + other,
+                       backward_weight=weight, recompute_selective=core, source="roofline")
+
+
+def layer_timing(device: DeviceSpec, layer: LayerSpec, micro_batch: int, tp: int, sequence_parallel: bool,
+                 dtype: str, profiles: ProfileSource | None = None) -> LayerTiming:
+    """Measured timing when a profile covers this device and layer, else the roofline
+    (with efficiencies fitted from profiles of this device when available)."""
+    eff = None
+    if profiles is not None:
+        measured = profiles.layer_timing(device, layer, micro_batch, tp, sequence_parallel, dtype)
+        if measured is not None:
+            return measured
+        eff = profiles.efficiency(device)
+    return roofline_timing(device, eff or default_efficiency(device.name), layer, micro_batch, tp,
+                           sequence_parallel, dtype)

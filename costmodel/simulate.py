@@ -1,0 +1,168 @@
+"""Event simulation of a schedule program.
+
+Each pipeline rank executes its actions in program order; an action starts when its
+rank is free and every action it depends on has finished (plus the point-to-point
+transfer when the dependency crosses ranks). Gradient reduction runs on a separate
+communication stream per rank and overlaps the remaining backward work; the optimizer
+step follows. The simulation also tracks, per rank, the activation bytes of the
+micro-batches in flight, which is where a schedule's memory cost comes from.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from autoplan.schedule import Action, ScheduleProgram
+
+
+@dataclass(frozen=True)
+class StageCosts:
+    """Per-micro-batch costs of one stage, in seconds and bytes."""
+
+    forward: float
+    backward: float
+    backward_input: float
+    backward_weight: float
+    send_forward: float
+    """Transfer of this stage's output to the next stage (0 for the last stage)."""
+    send_backward: float
+    """Transfer of this stage's input gradient to the previous stage (0 for the first)."""
+    activation_bytes: float
+    """Bytes kept from a forward until its backward (weight-gradient part) finishes."""
+    grad_reduce: float
+    """Data-parallel gradient reduction of the stage's parameters, once per iteration."""
+    layers: int
+    """Units in the stage (gradient buckets for overlap)."""
+    tp_comm_forward: float = 0.0
+    """Part of ``forward`` that is tensor-parallel communication."""
+    tp_comm_backward: float = 0.0
+
+
+@dataclass(frozen=True)
+class Event:
+    """One interval of a rank's timeline."""
+
+    rank: int
+    """Pipeline rank (device group)."""
+    kind: str
+    """'F', 'B', 'I', 'W', 'reduce', 'optimizer'."""
+    stage: int
+    micro_batch: int
+    start: float
+    end: float
+
+
+@dataclass
+class SimResult:
+    iteration_time: float
+    events: list[Event]
+    compute_end: list[float]
+    """Per rank: when its last compute action finished."""
+    busy: list[float]
+    """Per rank: seconds of compute actions (TP communication inside them included)."""
+    tp_comm: list[float]
+    comm_end: list[float]
+    """Per rank: when its gradient reduction finished."""
+    rank_end: list[float]
+    peak_activation_bytes: list[float]
+    critical_rank: int = 0
+    optimizer: list[float] = field(default_factory=list)
+
+
+def simulate(program: ScheduleProgram, costs: list[StageCosts], optimizer: list[float],
+             overlap_grad_reduce: bool = True, post_optimizer: list[float] | None = None) -> SimResult:
+    """Run the program. ``optimizer[g]``: optimizer step of rank g; ``post_optimizer[g]``:
+    exposed work after it (ZeRO-1/2 parameter all-gather)."""
+    P = len(program.ranks)
+    finish: dict[Action, float] = {}
+    started: dict[Action, float] = {}
+    ptr = [0] * P
+    free = [0.0] * P
+    busy = [0.0] * P
+    tp_comm = [0.0] * P
+    live = [0.0] * P
+    peak = [0.0] * P
+    events: list[Event] = []
+    split = program.split_backward
+    total = sum(len(r) for r in program.ranks)
+    done = 0
+
+    def duration(a: Action) -> tuple[float, float]:
+        c = costs[a.stage]
+        if a.kind == "F":
+            return c.forward, c.tp_comm_forward
+        if a.kind == "B":
+            return c.backward, c.tp_comm_backward
+        if a.kind == "I":
+            return c.backward_input, c.tp_comm_backward
+        return c.backward_weight, 0.0
+
+    while done < total:
+        progressed = False
+        for g in range(P):
+            actions = program.ranks[g]
+            while ptr[g] < len(actions):
+                a = actions[ptr[g]]
+                ready = free[g]
+                blocked = False
+                for d in program.dependencies(a):
+                    t = finish.get(d)
+                    if t is None:
+                        blocked = True
+                        break
+                    if program.crosses_ranks(d, a):
+                        t += costs[d.stage].send_forward if a.kind == "F" else costs[d.stage].send_backward
+                    ready = max(ready, t)
+                if blocked:
+                    break
+                dur, comm = duration(a)
+                end = ready + dur
+                started[a], finish[a] = ready, end
+                free[g] = end
+                busy[g] += dur
+                tp_comm[g] += comm
+                if a.kind == "F":
+                    live[g] += costs[a.stage].activation_bytes
+                    peak[g] = max(peak[g], live[g])
+                elif a.kind == "B" or a.kind == "W":
+                    live[g] -= costs[a.stage].activation_bytes
+                events.append(Event(g, a.kind, a.stage, a.micro_batch, ready, end))
+                ptr[g] += 1
+                done += 1
+                progressed = True
+        if not progressed:
+            raise RuntimeError("schedule program deadlocks: an action waits on one that never runs")
+
+    compute_end = [free[g] for g in range(P)]
+    comm_end = [0.0] * P
+    rank_end = [0.0] * P
+    post_optimizer = post_optimizer or [0.0] * P
+    for g in range(P):
+        # The last backward-type action of each stage releases its gradients.
+        last: dict[int, Action] = {}
+        for a in program.ranks[g]:
+            if a.kind in ("B", "W"):
+                last[a.stage] = a
+        comm_free = 0.0
+        for stage, a in sorted(last.items(), key=lambda kv: finish[kv[1]]):
+            r = costs[stage].grad_reduce
+            if r <= 0:
+                continue
+            if overlap_grad_reduce:
+                # Buckets (one per unit) become ready during the stage's last backward.
+                start = max(comm_free, started[a])
+                end = max(start + r, finish[a] + r / max(costs[stage].layers, 1))
+            else:
+                start = max(comm_free, finish[a])
+                end = start + r
+            events.append(Event(g, "reduce", stage, -1, end - r, end))
+            comm_free = end
+        comm_end[g] = comm_free
+        opt_start = max(compute_end[g], comm_free)
+        rank_end[g] = opt_start + optimizer[g] + post_optimizer[g]
+        if optimizer[g] > 0:
+            events.append(Event(g, "optimizer", -1, -1, opt_start, opt_start + optimizer[g]))
+    iteration = max(rank_end)
+    critical = max(range(P), key=lambda g: (rank_end[g], busy[g]))
+    return SimResult(iteration_time=iteration, events=events, compute_end=compute_end, busy=busy,
+                     tp_comm=tp_comm, comm_end=comm_end, rank_end=rank_end,
+                     peak_activation_bytes=peak, critical_rank=critical, optimizer=list(optimizer))
