@@ -277,10 +277,11 @@ class Plan:
                    sequence_parallel=r.bool("sequence_parallel", False),
                    zero=r.int("zero", 0, minimum=0), dtype=r.str("dtype", "bf16", choices=("bf16", "fp16", "fp32")),
                    model=r.str("model", ""), seq_len=r.int("seq_len", 0, minimum=0))
+        plan.validate()
         if r.has("global_batch") and r.int("global_batch") != plan.global_batch:
             raise ConfigError(r.path("global_batch"), f"is {r.int('global_batch')}, but micro_batch * "
                               f"num_micro_batches * dp = {plan.global_batch}")
-        return plan.validate()
+        return plan
 
     def save(self, path: str | Path, extra: dict | None = None) -> None:
         d = self.to_dict()

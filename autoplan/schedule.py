@@ -13,6 +13,7 @@ simulates exactly this program, and the runtime hands the same per-rank lists to
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Iterator
 
 from autoplan.errors import ConfigError
@@ -46,8 +47,9 @@ class ScheduleProgram:
     stage_to_rank: tuple[int, ...]
     """Which pipeline rank runs each stage."""
 
-    @property
+    @cached_property
     def split_backward(self) -> bool:
+        # Cached: dependencies() asks on every action, and the scan is O(actions).
         return any(a.kind == "I" for r in self.ranks for a in r)
 
     def dependencies(self, action: Action) -> Iterator[Action]:
@@ -165,36 +167,38 @@ def _zero_bubble(p: int, m: int) -> list[list[Action]]:
     work fills the pipeline bubbles.
 
     The order is fixed by a list-scheduling pass with unit action times (F = I = W,
-    free communication), which makes it a static program the runtime can execute;
-    W's of a rank are held back by at most its 1F1B warm-up depth so that activation
-    memory stays that of 1F1B."""
+    free communication), which makes it a static program the runtime can execute. A
+    rank never holds more micro-batches than under 1F1B (p - g), so activation memory
+    stays that of 1F1B, as in the paper."""
     orders = [[a if a.kind == "F" else Action(a.stage, "I", a.micro_batch)
                for a in _one_f_one_b(g, p, m)] for g in range(p)]
     done: dict[Action, int] = {}
     pos = [0] * p
     pending: list[list[int]] = [[] for _ in range(p)]
+    in_flight = [0] * p      # forwards whose W has not run: their activations are live
     out: list[list[Action]] = [[] for _ in range(p)]
-    free_at = [0] * p
     t = 0
     while any(pos[g] < len(orders[g]) or pending[g] for g in range(p)):
         for g in range(p):
-            if free_at[g] > t:
-                continue
             nxt = orders[g][pos[g]] if pos[g] < len(orders[g]) else None
             ready = nxt is not None and all(done.get(d, 1 << 30) <= t for d in _zb_deps(nxt, p))
-            limit = p - g - 1
-            if ready and (nxt.kind != "I" or len(pending[g]) <= limit):
+            # 1F1B's memory bound: at most p - g micro-batches alive on rank g.
+            if ready and nxt.kind == "F" and in_flight[g] >= p - g:
+                ready = False
+            if ready:
                 act = nxt
                 pos[g] += 1
                 if act.kind == "I":
                     pending[g].append(act.micro_batch)
+                else:
+                    in_flight[g] += 1
             elif pending[g]:
                 act = Action(g, "W", pending[g].pop(0))
+                in_flight[g] -= 1
             else:
                 continue
             out[g].append(act)
             done[act] = t + 1
-            free_at[g] = t + 1
         t += 1
     return out
 

@@ -28,6 +28,16 @@ TINY = {
 BATCH = 2
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """These tensors are tiny: a second intra-op thread buys nothing and, on a busy 2-core
+    machine, spin-waits against other processes (measured 5x slower)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def tiny(case: str):
     preset, overrides = TINY[case]
     return get_config(preset, **overrides)

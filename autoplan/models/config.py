@@ -65,6 +65,10 @@ class TransformerConfig:
     saves the score matrix as Megatron-LM did before FlashAttention)."""
     max_positions: int | None = None
     """Learned position table size; None = seq_len."""
+    fused_norm: bool = True
+    """RMSNorm runs as one fused GPU kernel saving the bf16 input and rstd (PyTorch >= 2.8 on
+    CUDA, Apex, Transformer Engine); False = the eager fp32 decomposition, which saves fp32
+    copies and moves more bytes."""
 
     def resolved(self) -> "TransformerConfig":
         """A copy with every family default filled in, validated."""

@@ -32,7 +32,7 @@ _GEMMS = {_aten.mm.default, _aten.addmm.default, _aten.bmm.default, _aten.baddbm
 # Ops that allocate or reinterpret without moving activation data through HBM.
 _NO_TRAFFIC = ("empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided",
                "detach", "lift_fresh", "_local_scalar_dense", "scalar_tensor", "arange",
-               "sym_size", "sym_stride", "copy_")
+               "sym_size", "sym_stride", "copy_", "_unsafe_view", "_reshape_alias")
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
@@ -50,6 +50,16 @@ class _Census:
 class _CensusMode(TorchDispatchMode):
     """Records matmul shapes, fused attention FLOPs and bandwidth-bound traffic."""
 
+    active: list["_CensusMode"] = []
+
+    def __enter__(self):
+        _CensusMode.active.append(self)
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        _CensusMode.active.remove(self)
+        return super().__exit__(*exc)
+
     def __init__(self):
         super().__init__()
         self.census = _Census()
@@ -58,6 +68,8 @@ class _CensusMode(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
+        if _FUSED.depth:
+            return out  # inside a fused kernel: charged once by _charge_fused
         c = self.census
         name = func.overloadpacket.__name__
         if func in _GEMMS:
@@ -131,6 +143,63 @@ class _FlashCore(nn.Module):
 
     def forward(self, q, k, v):
         return _FlashAttention.apply(q, k, v, self.causal)
+
+
+class _FusedState:
+    """Depth of fused-kernel regions being run (their inner ops are not separate kernels)."""
+    depth = 0
+
+
+_FUSED = _FusedState()
+
+
+@contextmanager
+def _fused_kernel(*tensors: torch.Tensor):
+    """Run a fused kernel's reference ops without charging them one by one; charge the
+    kernel once: it reads its inputs and writes its outputs."""
+    _FUSED.depth += 1
+    result: list = []
+    try:
+        yield result
+    finally:
+        _FUSED.depth -= 1
+    moved = sum(t.nbytes for t in _tensors((tensors, result)))
+    for mode in _CensusMode.active:
+        mode.census.memory_bytes += moved
+        mode.census.kernels += 1
+
+
+class _FusedRMSNormFn(torch.autograd.Function):
+    """RMSNorm as the fused GPU kernel runs it (PyTorch's ``_fused_rms_norm``, Apex and
+    Transformer Engine alike): one kernel that saves the bf16 input and the per-token
+    rstd. On meta, ``nn.RMSNorm`` decomposes into fp32 elementwise ops that would save
+    fp32 copies of the input and the normalized output instead."""
+
+    @staticmethod
+    def forward(ctx, x, weight, eps):
+        with _fused_kernel(x, weight) as outputs:
+            out, rstd = _aten._fused_rms_norm(x, [x.shape[-1]], weight, eps)
+            outputs += [out, rstd]
+        ctx.save_for_backward(x, weight, rstd)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight, rstd = ctx.saved_tensors
+        with _fused_kernel(grad, x, rstd, weight) as outputs:
+            dx, dw = _aten._fused_rms_norm_backward(grad, x, [x.shape[-1]], rstd, weight, [True, True])
+            outputs += [dx, dw]
+        return dx, dw, None
+
+
+class _FusedRMSNorm(nn.Module):
+    def __init__(self, norm: nn.RMSNorm):
+        super().__init__()
+        self.weight = norm.weight
+        self.eps = norm.eps if norm.eps is not None else torch.finfo(torch.bfloat16).eps
+
+    def forward(self, x):
+        return _FusedRMSNormFn.apply(x, self.weight, self.eps)
 
 
 @dataclass
@@ -289,8 +358,15 @@ def _layer_spec(name: str, unit: nn.Module, base: _Measurement, wide: _Measureme
         causal=causal)
 
 
-def _prepare(model: nn.Module, dtype: torch.dtype, flash: bool, causal: bool) -> nn.Module:
+def _prepare(model: nn.Module, dtype: torch.dtype, flash: bool, causal: bool,
+             fused_norm: bool = True) -> nn.Module:
+    """Put the GPU kernels' memory behaviour into the meta model (see the classes above)."""
     model = model.to(dtype)
+    for unit in (model.layers if fused_norm else ()):
+        for name, m in list(unit.named_modules()):
+            if isinstance(m, nn.RMSNorm) and m.weight is not None:
+                parent = unit.get_submodule(name.rsplit(".", 1)[0]) if "." in name else unit
+                setattr(parent, name.rsplit(".", 1)[-1], _FusedRMSNorm(m))
     if flash:
         for unit in model.layers:
             for name, m in list(unit.named_modules()):
@@ -321,7 +397,7 @@ def spec_from_config(cfg, dtype: str = "bf16") -> ModelSpec:
 
     def units_and_inputs(c, batch):
         with torch.device("meta"):
-            model = _prepare(build_model(c), torch_dtype, flash, causal)
+            model = _prepare(build_model(c), torch_dtype, flash, causal, getattr(c, "fused_norm", True))
             inputs, targets = example_inputs(c, batch, device="meta")
         if inputs.is_floating_point():
             inputs = inputs.to(torch_dtype)
@@ -369,7 +445,20 @@ def spec_from_config(cfg, dtype: str = "bf16") -> ModelSpec:
         heads=getattr(cfg, "heads", 0) if shardable else 0,
         kv_heads=getattr(cfg, "kv_heads", 0) if shardable else 0,
         vocab=getattr(cfg, "vocab", 0), hidden=getattr(cfg, "hidden", 0), config=cfg,
-        tokens_per_sample=seq, tp_shardable=shardable)
+        tokens_per_sample=seq, tp_shardable=shardable,
+        shared_params=float(cfg.vocab * cfg.hidden) if getattr(cfg, "tie_embeddings", False) else 0.0)
+
+
+def _meta_copy(module: nn.Module) -> nn.Module:
+    """A copy of ``module`` on meta that never copies parameter or buffer data (the
+    user's module, possibly huge and on a GPU, stays untouched)."""
+    import copy
+    memo = {}
+    for p in module.parameters():
+        memo[id(p)] = nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
+    for b in module.buffers():
+        memo[id(b)] = torch.empty_like(b, device="meta")
+    return copy.deepcopy(module, memo)
 
 
 def spec_from_module(module: nn.Module, example_inputs: torch.Tensor, name: str = "module",
@@ -384,11 +473,9 @@ def spec_from_module(module: nn.Module, example_inputs: torch.Tensor, name: str 
     else:
         units = [module]
     torch_dtype = _DTYPES[dtype]
-    meta_units = []
-    for u in units:
-        mu = u.to("meta") if any(p.device.type != "meta" for p in u.parameters()) else u
-        meta_units.append(mu.to(torch_dtype))
-    x = example_inputs.to("meta")
+    meta_units = [_meta_copy(u).to(torch_dtype) for u in units]
+    # Costs are per sample: measure one sample, and two to see which dimensions grow.
+    x = example_inputs[:1].to("meta")
     if x.is_floating_point():
         x = x.to(torch_dtype)
     layers = []

@@ -23,7 +23,7 @@ DEFAULT_MAX_SEQ_LEN = 4096
 trained mostly at a few thousand tokens, and planning at 128k is rarely what is meant."""
 
 # Per model_type: (arch, position, tie_word_embeddings default). The tie default is the
-# transformers class default, because save_pretrained omits a value equal to it.
+# transformers class default, which applies when a saved config.json omits the key.
 _FAMILY: dict[str, tuple[str, str, bool]] = {
     "llama": ("llama", "rope", False),
     "mistral": ("llama", "rope", False),
@@ -33,6 +33,14 @@ _FAMILY: dict[str, tuple[str, str, bool]] = {
     "gpt2": ("gpt", "learned", True),
     "bert": ("bert", "learned", True),
 }
+
+
+# TransformerConfig field -> config.json key: GPT-2's own names, and everyone else's.
+_GPT2_KEYS = {"hidden": "n_embd", "layers": "n_layer", "heads": "n_head", "ffn_hidden": "n_inner",
+              "vocab": "vocab_size"}
+_KEYS = {"hidden": "hidden_size", "layers": "num_hidden_layers", "heads": "num_attention_heads",
+         "ffn_hidden": "intermediate_size", "vocab": "vocab_size", "kv_heads": "num_key_value_heads",
+         "head_dim": "head_dim", "num_experts": "num_local_experts", "top_k": "num_experts_per_tok"}
 
 
 def _load(source: str | os.PathLike | Mapping) -> tuple[Any, str, Path | None]:
@@ -51,7 +59,8 @@ def _load(source: str | os.PathLike | Mapping) -> tuple[Any, str, Path | None]:
     try:
         return json.loads(text), path.name, path
     except json.JSONDecodeError as e:
-        raise ConfigError(str(path), f"is not valid JSON (line {e.lineno}, column {e.colno}: {e.msg})") from None
+        raise ConfigError(str(path), f"is not valid JSON (line {e.lineno}, column {e.colno}: "
+                                     f"{e.msg})") from None
 
 
 def config_from_hf(source: str | os.PathLike | Mapping, **overrides: Any) -> TransformerConfig:
@@ -65,33 +74,32 @@ def config_from_hf(source: str | os.PathLike | Mapping, **overrides: Any) -> Tra
     r = FieldReader(data, where)
     model_type = r.str("model_type", choices=SUPPORTED_MODEL_TYPES)
     arch, position, tie_default = _FAMILY[model_type]
-    if model_type == "gpt2":
-        hidden = r.int("n_embd", minimum=1)
-        fields = dict(layers=r.int("n_layer", minimum=1), heads=r.int("n_head", minimum=1),
-                      ffn_hidden=r.int("n_inner", None, minimum=1))
+    gpt2 = model_type == "gpt2"
+    keys = _GPT2_KEYS if gpt2 else _KEYS
+    required = ["hidden", "layers", "heads", "vocab"] + ([] if gpt2 else ["ffn_hidden"])
+    optional = ["ffn_hidden"] if gpt2 else []   # GPT-2's n_inner: null means 4h
+    if arch in ("llama", "moe"):
+        optional += ["kv_heads", "head_dim"]
+    if arch == "moe":
+        required += ["num_experts", "top_k"]
+    fields = {f: r.int(keys[f], minimum=1) for f in required}
+    fields.update({f: r.int(keys[f], None, minimum=1) for f in optional})
+    if gpt2:
         max_positions = r.int("n_positions", None, minimum=1) or r.int("n_ctx", minimum=1)
     else:
-        hidden = r.int("hidden_size", minimum=1)
-        fields = dict(layers=r.int("num_hidden_layers", minimum=1),
-                      heads=r.int("num_attention_heads", minimum=1),
-                      ffn_hidden=r.int("intermediate_size", minimum=1))
         max_positions = r.int("max_position_embeddings", minimum=1)
-    if arch in ("llama", "moe"):
-        fields.update(kv_heads=r.int("num_key_value_heads", None, minimum=1),
-                      head_dim=r.int("head_dim", None, minimum=1))
-    if arch == "moe":
-        fields.update(num_experts=r.int("num_local_experts", minimum=2),
-                      top_k=r.int("num_experts_per_tok", minimum=1))
     # A label for reports: the hub id if saved with one, else the model's directory name.
     name = r.str("_name_or_path", "") or (path.resolve().parent.name if path else "") or model_type
     cfg = TransformerConfig(
-        name=name, arch=arch, hidden=hidden, vocab=r.int("vocab_size", minimum=1),
-        seq_len=min(max_positions, DEFAULT_MAX_SEQ_LEN), position=position,
+        name=name, arch=arch, seq_len=min(max_positions, DEFAULT_MAX_SEQ_LEN), position=position,
         max_positions=max_positions if position == "learned" else None,
         tie_embeddings=r.bool("tie_word_embeddings", tie_default), **fields)
+    cfg = apply_overrides(cfg, overrides)
     try:
-        cfg = cfg.resolved()
+        return cfg.resolved()
     except ConfigError as e:
-        # Re-point config-level errors (e.g. heads not dividing hidden) at the file.
-        raise ConfigError(f"{where}: {e.field}", e.problem, e.fix) from None
-    return apply_overrides(cfg, overrides)
+        if e.field in overrides:
+            raise
+        # Cross-field problems (heads not dividing hidden, ...) are reported against the
+        # file's own key, which is what the user has to edit.
+        raise ConfigError(r.path(keys.get(e.field, e.field)), e.problem, e.fix) from None

@@ -116,14 +116,15 @@ def list_presets() -> list[str]:
 
 
 def apply_overrides(cfg: ModelConfig, overrides: dict[str, Any]) -> ModelConfig:
-    """``cfg`` with ``overrides`` replaced, resolved; an unknown key raises ConfigError naming it."""
+    """``cfg`` with ``overrides`` replaced, *not yet resolved* (so that derived defaults
+    are re-derived from the new values); an unknown key raises ConfigError naming it."""
     known = [f.name for f in dataclasses.fields(cfg) if f.init]
     for key in overrides:
         if key not in known:
             hint = closest(key, known)
             raise ConfigError(key, f"is not a field of {type(cfg).__name__}",
                               hint or f"known fields: {', '.join(known)}")
-    return dataclasses.replace(cfg, **overrides).resolved()
+    return dataclasses.replace(cfg, **overrides)
 
 
 def get_config(name: str, **overrides: Any) -> ModelConfig:
@@ -133,4 +134,4 @@ def get_config(name: str, **overrides: Any) -> ModelConfig:
     if cfg is None:
         raise ConfigError("model", f"unknown model {name!r}", closest(str(name), PRESETS) or
                           f"known models: {', '.join(PRESETS)}")
-    return apply_overrides(cfg, overrides)
+    return apply_overrides(cfg, overrides).resolved()

@@ -153,6 +153,9 @@ class ModelSpec:
     """The architecture config the spec came from (for the runtime and exports)."""
     tokens_per_sample: int = 0
     """Tokens a sample contributes to tokens/s (seq_len for LMs)."""
+    shared_params: float = 0.0
+    """Parameters held by two units (a tied embedding and output head): counted once in
+    ``num_params``, but each pipeline stage holding one of the units keeps its own copy."""
     tp_shardable: bool = True
     """Whether the layers were measured at sharded shapes (False: tensor parallelism not offered)."""
 
@@ -162,7 +165,7 @@ class ModelSpec:
 
     @property
     def num_params(self) -> float:
-        return sum(l.params.total for l in self.layers)
+        return sum(l.params.total for l in self.layers) - self.shared_params
 
     def flops_per_sample(self) -> float:
         """Model FLOPs of forward + backward for one sample (no recomputation)."""

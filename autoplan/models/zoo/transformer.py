@@ -139,16 +139,21 @@ class FlashAttentionCore(nn.Module):
         self.causal = causal
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        k, v = repeat_kv(k, q.shape[1]), repeat_kv(v, q.shape[1])
         if q.device.type == "meta":
             # On meta, F.scaled_dot_product_attention has no fused kernel to pick and falls
             # back to the math decomposition, which saves the s x s probabilities and counts
             # its FLOPs as bmm's: the planner would then see "flash" cost like "math". Calling
             # the flash op directly makes the traced saved tensors (q, k, v, out, logsumexp)
-            # and FLOPs those of the fused kernel a GPU run uses.
+            # and FLOPs those of the fused kernel. (It takes no GQA flag, so k/v are repeated
+            # here and saved repeated: an over-estimate of 2 * (heads - kv_heads) * s * d.)
+            k, v = repeat_kv(k, q.shape[1]), repeat_kv(v, q.shape[1])
             return torch.ops.aten._scaled_dot_product_flash_attention(
                 q, k, v, 0.0, self.causal)[0]
-        return F.scaled_dot_product_attention(q, k, v, is_causal=self.causal)
+        # enable_gqa lets the flash kernel read grouped k/v in place (no repeated copies
+        # saved). It is passed only when heads differ: the SDPA docs list GQA support for
+        # the flash and math kernels only, so the flag would otherwise rule out the others.
+        return F.scaled_dot_product_attention(q, k, v, is_causal=self.causal,
+                                              enable_gqa=q.shape[1] != k.shape[1])
 
 
 class MathAttentionCore(nn.Module):

@@ -1,0 +1,5 @@
+import sys
+
+from autoplan.cli import main
+
+sys.exit(main())

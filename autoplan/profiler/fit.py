@@ -1,0 +1,240 @@
+"""Least-squares fits: roofline efficiencies from measured layers, and alpha-beta link
+models from measured collectives.
+
+Efficiencies. The roofline of :func:`costmodel.compute.roofline_timing` is, per pass,
+
+    t = G / matmul + A / attention + M / memory + K * launch_s
+
+where G is the layer's GEMM time at 100% of peak, A its fused-attention time at peak,
+M its bandwidth-bound bytes over the device's bandwidth and K its kernel count. The
+terms are obtained from ``roofline_timing`` itself (by making all but one efficiency
+infinitely large), so the fit stays true to whatever the roofline does, and the
+reciprocals of the efficiencies are then linear unknowns. Each measured pass gives
+one equation, or three when the per-operator profile splits its time into GEMM,
+attention and the rest, which is what makes the unknowns separately identifiable
+(the profiler's own per-operator cost inflates small passes, so only the GEMM and
+attention operator times are taken from it; the rest is the unprofiled time less them).
+Rows are divided by the measured time (every layer counts equally, small or large);
+a weak prior row per unknown pulls an efficiency that the data cannot see (e.g.
+attention on a model without fused attention) to its catalog default. Non-negative
+least squares keeps every reciprocal >= 0.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+from scipy.optimize import nnls
+
+from autoplan.catalog import DeviceSpec
+from autoplan.models.spec import LayerSpec
+from costmodel.compute import roofline_timing
+from costmodel.efficiency import Efficiency, default_efficiency
+
+_BIG = 1e12
+"""An efficiency so large that its term vanishes: isolates one term of the roofline."""
+PRIOR_WEIGHT = 0.1
+"""Strength of the pull towards the catalog default, relative to the data on each unknown."""
+UNKNOWNS = ("matmul", "attention_fwd", "attention_bwd", "memory", "launch_s")
+
+
+@dataclass(frozen=True)
+class MeasuredLayer:
+    """One profile entry as the fit sees it."""
+
+    spec: LayerSpec
+    tp: int
+    micro_batch: int
+    dtype: str
+    forward_s: float
+    backward_s: float
+    ops_forward: dict = field(default_factory=dict, hash=False)
+    """Milliseconds of the forward's operators by category ('gemm_ms', 'attention_ms', ...),
+    from the per-operator profile; empty when not recorded."""
+    ops_backward: dict = field(default_factory=dict, hash=False)
+
+
+@dataclass(frozen=True)
+class EfficiencyFit:
+    """A fitted :class:`Efficiency` and how well it explains the measurements."""
+
+    device: str
+    efficiency: Efficiency
+    layers: int
+    """Measured entries used."""
+    rows: int
+    """Equations in the least-squares problem."""
+    error_default: float
+    """Median |predicted/measured - 1| of forward+backward with the catalog defaults."""
+    error_fitted: float
+    """The same with the fitted efficiencies."""
+    warnings: tuple[str, ...] = ()
+
+    def describe(self) -> str:
+        e = self.efficiency
+        return (f"{self.device}: matmul {e.matmul:.3g}, attention {e.attention_fwd:.3g}/{e.attention_bwd:.3g}, "
+                f"memory {e.memory:.3g}, launch {e.launch_s * 1e6:.3g} us from {self.layers} layers "
+                f"(median error {self.error_default:.0%} with defaults -> {self.error_fitted:.0%})")
+
+
+def _terms(device: DeviceSpec, base: Efficiency, m: MeasuredLayer) -> tuple[np.ndarray, np.ndarray]:
+    """(forward terms, backward terms), each over UNKNOWNS (reciprocals; launch per kernel)."""
+    def run(**kw):
+        eff = dataclasses.replace(base, **{"matmul": _BIG, "attention_fwd": _BIG, "attention_bwd": _BIG,
+                                           "memory": _BIG, "launch_s": 0.0, **kw})
+        return roofline_timing(device, eff, m.spec, m.micro_batch, m.tp, False, m.dtype)
+    g = run(matmul=1.0)
+    a = run(attention_fwd=1.0, attention_bwd=1.0)
+    mem = run(memory=1.0)
+    fwd = np.array([g.forward, a.forward, 0.0, mem.forward, float(m.spec.kernels_fwd)])
+    bwd = np.array([g.backward, 0.0, a.backward, mem.backward, float(m.spec.kernels_bwd)])
+    return fwd, bwd
+
+
+def _rows(terms: np.ndarray, total: float, ops: dict) -> list[tuple[np.ndarray, float]]:
+    """Equations of one pass, each divided by the pass's measured time. With a
+    per-operator profile: GEMM time, attention time, and the rest (the measured time
+    less those two: bandwidth-bound kernels and per-operator overhead) separately."""
+    if total <= 0:
+        return []
+    if ops and "gemm_ms" in ops and "attention_ms" in ops:
+        gemm, attn = ops["gemm_ms"] / 1e3, ops["attention_ms"] / 1e3
+        rest = max(0.0, total - gemm - attn)
+        out = []
+        for target, cols in ((gemm, (0,)), (attn, (1, 2)), (rest, (3, 4))):
+            row = np.zeros_like(terms)
+            row[list(cols)] = terms[list(cols)]
+            if row.any() or target > 0.02 * total:
+                out.append((row / total, target / total))
+        return out
+    return [(terms / total, 1.0)]
+
+
+def _predict(x: np.ndarray, terms: np.ndarray) -> float:
+    return float(terms @ x)
+
+
+def _as_x(eff: Efficiency) -> np.ndarray:
+    return np.array([1 / eff.matmul, 1 / eff.attention_fwd, 1 / eff.attention_bwd, 1 / eff.memory, eff.launch_s])
+
+
+def fit_efficiency(device: DeviceSpec, measured: list[MeasuredLayer]) -> EfficiencyFit | None:
+    """Fit the roofline efficiencies of ``device`` to its measured layers (None if none)."""
+    if not measured:
+        return None
+    base = default_efficiency(device.name)
+    x0 = _as_x(base)
+    rows, targets, totals = [], [], []
+    for m in measured:
+        f, b = _terms(device, base, m)
+        totals.append((f + b, m.forward_s + m.backward_s))
+        for terms, t, shares in ((f, m.forward_s, m.ops_forward), (b, m.backward_s, m.ops_backward)):
+            for row, target in _rows(terms, t, shares):
+                rows.append(row)
+                targets.append(target)
+    if not rows:
+        return None
+    A = np.vstack(rows)
+    # Columns differ by orders of magnitude (seconds per kernel vs reciprocal
+    # efficiencies): solve in units where the default is 1.
+    col = np.where(x0 > 0, x0, 1.0)
+    A = A * col
+    prior_rows = []
+    for j in range(len(UNKNOWNS)):
+        # The prior counts PRIOR_WEIGHT^2 of the information the data hold on this
+        # unknown, or decides it alone when no measured layer exercises it.
+        norm = float(np.linalg.norm(A[:, j]))
+        row = np.zeros(len(UNKNOWNS))
+        row[j] = PRIOR_WEIGHT * norm if norm > 0 else 1.0
+        prior_rows.append(row)
+    A = np.vstack([A, *prior_rows])
+    y = np.concatenate([np.array(targets), [r.max() for r in prior_rows]])
+    z, _res = nnls(A, y)
+    x = z * col
+    warnings = []
+    values = {}
+    for j, name in enumerate(UNKNOWNS):
+        if name == "launch_s":
+            values[name] = float(min(max(x[j], 0.0), 1.0))
+            continue
+        eff = 1.0 / x[j] if x[j] > 0 else 1e3
+        eff = float(min(max(eff, 1e-6), 1e3))
+        if eff > 1.0:
+            warnings.append(f"{name} efficiency {eff:.2f} exceeds 1: the catalog's peak for "
+                            f"{device.name} is below what was measured")
+        values[name] = eff
+    fitted = dataclasses.replace(base, **values)
+    xf = _as_x(fitted)
+
+    def err(xv):
+        rel = [abs(_predict(xv, terms) / t - 1) for terms, t in totals if t > 0]
+        return float(np.median(rel)) if rel else float("nan")
+    return EfficiencyFit(device=device.name, efficiency=fitted, layers=len(measured), rows=len(targets),
+                         error_default=err(x0), error_fitted=err(xf), warnings=tuple(warnings))
+
+
+def transfer_efficiency(target: DeviceSpec, fits: list[tuple[DeviceSpec, EfficiencyFit]]) -> Efficiency | None:
+    """Efficiencies for a device that was never profiled, from devices that were.
+
+    What a profile adds over the catalog defaults is mostly the software stack's
+    behaviour (library version, kernel choice, eager launch overhead), which devices
+    of one vendor and one class (GPU or CPU) share. So the target's own defaults are
+    scaled by the geometric mean, over profiled devices of the same vendor and class,
+    of fitted / default. Across vendors or between CPU and GPU nothing transfers."""
+    def cls(d: DeviceSpec) -> tuple[str, bool]:
+        return d.vendor.lower(), d.name.upper().startswith("CPU")
+
+    peers = [(d, f) for d, f in fits if d.vendor and cls(d) == cls(target)]
+    if not peers:
+        return None
+    base = default_efficiency(target.name)
+    values = {}
+    for name in UNKNOWNS:
+        logs = []
+        for d, f in peers:
+            ref = getattr(default_efficiency(d.name), name)
+            got = getattr(f.efficiency, name)
+            if ref > 0 and got > 0:
+                logs.append(math.log(got / ref))
+        ratio = math.exp(sum(logs) / len(logs)) if logs else 1.0
+        v = getattr(base, name) * ratio
+        values[name] = v if name == "launch_s" else min(v, 1.0)
+    return dataclasses.replace(base, **values)
+
+
+# ------------------------------------------------------------------ alpha-beta
+@dataclass(frozen=True)
+class AlphaBeta:
+    """t(bytes) = latency + moved(bytes) / bandwidth, fitted over a size sweep."""
+
+    latency_s: float
+    """Per-step latency (alpha)."""
+    bandwidth: float
+    """Achieved bytes/s (beta), as the cost model's ring formulas count bytes."""
+    rms_rel_error: float
+    """Root-mean-square relative error of the fit over its samples."""
+    samples: int
+
+    def to_dict(self) -> dict:
+        return {"latency_us": self.latency_s * 1e6, "bandwidth_GBps": self.bandwidth / 1e9,
+                "rms_rel_error": self.rms_rel_error, "points": self.samples}
+
+
+def fit_alpha_beta(steps: list[float], moved: list[float], times: list[float]) -> AlphaBeta:
+    """Least squares of ``t = steps * alpha + moved / beta`` (alpha, 1/beta >= 0), each
+    sample weighted by 1/t so small messages (latency) and large ones (bandwidth) count
+    alike. ``steps`` and ``moved`` are what the cost model's formula multiplies alpha
+    and 1/beta by for that sample (see :mod:`costmodel.comm`)."""
+    A = np.column_stack([np.asarray(steps, float), np.asarray(moved, float)])
+    t = np.asarray(times, float)
+    w = 1.0 / t
+    # Columns in natural units: alpha in microseconds, 1/beta in seconds per GB.
+    scale = np.array([1e-6, 1e-9])
+    sol, _ = nnls(A * scale * w[:, None], t * w)
+    alpha, inv_beta = sol * scale
+    pred = A @ np.array([alpha, inv_beta])
+    rms = float(np.sqrt(np.mean((pred / t - 1) ** 2)))
+    return AlphaBeta(latency_s=float(alpha), bandwidth=float(1 / inv_beta) if inv_beta > 0 else float("inf"),
+                     rms_rel_error=rms, samples=len(t))

@@ -1,0 +1,159 @@
+"""What a profile entry is *of*: the shape key that matches a planner's :class:`LayerSpec`
+to measured entries, the sharded configs a tensor-parallel rank runs, and a lossless
+JSON form of LayerSpec (kept in profile files so the efficiency fit can recompute the
+roofline of every measured layer).
+
+Why the key is derived from the LayerSpec alone: the cost model asks a profile source
+about one ``LayerSpec`` (``ProfileSource.layer_timing``) without the model it came from,
+so everything the key needs must be in the spec. The spec is measured on ``meta`` from
+the real module, so two units with the same architecture produce the same figures, and
+the key is a digest of the figures that describe the *architecture* (weight shapes,
+kinds and counts of kernels, per-token widths), with the sequence length taken out
+and kept beside it so lookups can interpolate over it.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+from dataclasses import dataclass
+
+from autoplan.errors import ConfigError
+from autoplan.models.config import TransformerConfig
+from autoplan.models.spec import ActivationBytes, Gemm, LayerSpec, Split
+
+TOKEN_ID_BYTES = 8
+"""Bytes per input element of an embedding unit: token ids are int64."""
+
+
+@dataclass(frozen=True)
+class ShapeKey:
+    """Identifies a layer shape independently of sequence length and micro-batch."""
+
+    fingerprint: str
+    """Digest of the sequence-independent architecture figures of the LayerSpec."""
+    tokens: int
+    """Tokens per sample the spec was measured at (its sequence length); 0 when the unit
+    has no token dimension the key can recognise (then no interpolation over it)."""
+
+    @property
+    def id(self) -> str:
+        return f"{self.fingerprint}-s{self.tokens}"
+
+
+def _round(x: float) -> float:
+    """Six significant digits: the figures are integer counts, but per-token ratios are
+    floats and must digest identically however they were computed."""
+    if x == 0 or not math.isfinite(x):
+        return x
+    return float(f"{x:.6g}")
+
+
+def layer_tokens(layer: LayerSpec) -> int:
+    """The sequence length a LayerSpec was measured at.
+
+    Linear layers multiply ``[tokens, k] @ [k, n]`` per sample, so the ``m`` of any GEMM
+    that grows with the micro-batch along ``m`` is the token count. An embedding has no
+    GEMM; its input is one int64 id per token, and its full-recompute activation is
+    exactly that input."""
+    for g in layer.gemms_fwd:
+        if g.batch_dim == "m":
+            return int(round(g.m))
+    if layer.kind == "embedding" and layer.activation_bytes.full.replicated > 0:
+        return int(round(layer.activation_bytes.full.replicated / TOKEN_ID_BYTES))
+    return 0
+
+
+def _gemm_signature(g: Gemm, tokens: int) -> tuple:
+    if g.batch_dim == "m":
+        dims = ("s", _round(g.n), _round(g.k), _round(g.count))
+    else:
+        # Batched attention products: the s x s dimensions scale with the sequence.
+        dims = tuple("s" if tokens and round(v) == tokens else _round(v) for v in (g.m, g.n, g.k, g.count))
+    return dims + (g.shard_dim, g.batch_dim, g.in_core)
+
+
+def shape_key(layer: LayerSpec) -> ShapeKey:
+    """The key of a LayerSpec (see the module docstring). Two specs of the same unit
+    architecture at different sequence lengths share the fingerprint and differ in
+    ``tokens``; anything that changes the layer's work (widths, heads, vocabulary, norm
+    or MLP kind, attention kernel, dtype through the byte counts) changes the fingerprint."""
+    s = layer_tokens(layer)
+    per_token = (lambda x: _round(x / s)) if s else _round
+    per_token2 = (lambda x: _round(x / (s * s))) if s else _round
+    desc = {
+        "kind": layer.kind,
+        "causal": layer.causal,
+        "kernels": [layer.kernels_fwd, layer.kernels_bwd],
+        "tp_allreduces": layer.tp_allreduces_fwd,
+        # An embedding's replicated parameters are its position table, sized by the
+        # largest position, not by the positions a step looks up: leave it out.
+        "params": [None if layer.kind == "embedding" else _round(layer.params.replicated),
+                   _round(layer.params.sharded)],
+        "output_per_token": per_token(layer.output_bytes),
+        "input_per_token": per_token(layer.activation_bytes.full.replicated),
+        "gemms": [_gemm_signature(g, s) for g in layer.gemms_fwd],
+        "attention_per_token2": [per_token2(layer.attention_flops_fwd.replicated),
+                                 per_token2(layer.attention_flops_fwd.sharded)],
+    }
+    text = json.dumps(desc, sort_keys=True, separators=(",", ":"))
+    return ShapeKey(fingerprint=hashlib.sha1(text.encode()).hexdigest()[:16], tokens=s)
+
+
+# ----------------------------------------------------------------- LayerSpec <-> JSON
+def spec_to_dict(layer: LayerSpec) -> dict:
+    """A JSON-ready dict of every LayerSpec field (figures per sample, as in the spec)."""
+    return dataclasses.asdict(layer)
+
+
+def spec_from_dict(d: dict) -> LayerSpec:
+    """Inverse of :func:`spec_to_dict`."""
+    def split(x) -> Split:
+        return Split(**x)
+
+    return LayerSpec(
+        name=d["name"], kind=d["kind"], params=split(d["params"]), flops_fwd=split(d["flops_fwd"]),
+        flops_bwd=split(d["flops_bwd"]),
+        gemms_fwd=tuple(Gemm(**g) for g in d["gemms_fwd"]), gemms_bwd=tuple(Gemm(**g) for g in d["gemms_bwd"]),
+        attention_flops_fwd=split(d["attention_flops_fwd"]), attention_flops_bwd=split(d["attention_flops_bwd"]),
+        memory_bytes_fwd=split(d["memory_bytes_fwd"]), memory_bytes_bwd=split(d["memory_bytes_bwd"]),
+        core_memory_bytes_fwd=split(d["core_memory_bytes_fwd"]),
+        kernels_fwd=int(d["kernels_fwd"]), kernels_bwd=int(d["kernels_bwd"]),
+        activation_bytes=ActivationBytes(**{k: split(v) for k, v in d["activation_bytes"].items()}),
+        output_bytes=float(d["output_bytes"]), tp_allreduces_fwd=int(d["tp_allreduces_fwd"]),
+        causal=bool(d["causal"]))
+
+
+# ------------------------------------------------------------------ shard configs
+def shard_config(cfg: TransformerConfig, tp: int) -> TransformerConfig:
+    """The config one rank of tensor-parallel degree ``tp`` runs, Megatron-style.
+
+    Heads and MLP width must divide by ``tp``. Key/value heads divide when they can;
+    when ``tp`` is a multiple of them each rank keeps one (Megatron replicates kv heads
+    across the ranks of a group). The vocabulary is padded up to a multiple of ``tp``
+    (Megatron pads it), so each rank holds ``ceil(vocab / tp)`` rows."""
+    c = cfg.resolved()
+    if tp == 1:
+        return c
+    if not isinstance(tp, int) or tp < 1:
+        raise ConfigError("tp", f"must be a positive integer, got {tp!r}")
+    if c.heads % tp:
+        raise ConfigError("tp", f"{tp} does not divide {c.name}'s {c.heads} attention heads")
+    if c.kv_heads % tp and tp % c.kv_heads:
+        raise ConfigError("tp", f"{tp} neither divides nor is a multiple of {c.name}'s {c.kv_heads} kv heads")
+    if c.ffn_hidden % tp:
+        raise ConfigError("tp", f"{tp} does not divide {c.name}'s MLP width {c.ffn_hidden}")
+    if c.kv_heads % tp == 0 and c.vocab % tp == 0:
+        return c.with_shard(1 / tp).resolved()
+    return dataclasses.replace(c, heads=c.heads // tp, kv_heads=max(1, c.kv_heads // tp),
+                               ffn_hidden=c.ffn_hidden // tp, vocab=-(-c.vocab // tp)).resolved()
+
+
+def tp_supported(cfg: TransformerConfig, tp: int) -> str:
+    """'' when ``tp`` can shard ``cfg``, else why not."""
+    try:
+        shard_config(cfg, tp)
+    except ConfigError as e:
+        return e.problem
+    return ""

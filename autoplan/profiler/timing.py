@@ -1,0 +1,253 @@
+"""Clocks and memory probes for one device.
+
+* GPU: CUDA events around the work (the GPU's own timeline, launch gaps included),
+  memory from the caching allocator's statistics (``max_memory_allocated``).
+* CPU: ``time.perf_counter`` wall clock; memory from the allocation records of
+  ``torch.profiler`` (every CPU allocation and free with its size), and saved
+  activations from autograd's saved-tensor hooks on both devices.
+
+Every timing is the median of repeats after warm-up: the first runs pay for lazy
+initialisation (allocator growth, kernel selection, oneDNN primitive caches) and a
+shared machine adds one-sided outliers that a median ignores.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+GEMM_OPS = frozenset({"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::addbmm",
+                      "aten::_addmm_activation", "aten::_scaled_mm"})
+"""Operators counted as matrix multiplies in per-operator breakdowns."""
+ATTENTION_MARKERS = ("scaled_dot_product", "flash_attention", "efficient_attention", "cudnn_attention")
+"""Substrings of fused-attention operator names."""
+
+
+@dataclass(frozen=True)
+class RepeatPolicy:
+    """How often each quantity is timed."""
+
+    warmup: int = 3
+    """Untimed runs first."""
+    repeats: int = 10
+    """Timed runs at least."""
+    min_time_s: float = 0.05
+    """Keep repeating until the timed runs add up to this many seconds (short kernels
+    need many samples for a stable median on a shared machine)..."""
+    max_repeats: int = 200
+    """... but never more than this many."""
+    clock: str = "wall"
+    """CPU timer: 'wall' (``time.perf_counter``) or 'thread' (``time.thread_time``, the CPU
+    time of the measuring thread). 'thread' needs one torch thread (then every kernel and
+    the autograd engine's CPU work run on the calling thread) and leaves out the time
+    the thread waited for a core, so it still measures the kernels when other jobs
+    share the machine. Ignored on GPU (CUDA events)."""
+    statistic: str = "median"
+    """What a profile entry's times are: 'median' of the repeats, or 'p10' (the first
+    decile), which is what a machine shared with other jobs should use: preemption only
+    ever adds time, and when other processes hold the cores for seconds at a time even
+    the median moves (both are always recorded; this picks the headline one)."""
+
+    def validate(self) -> "RepeatPolicy":
+        from autoplan.errors import ConfigError
+        if self.warmup < 0:
+            raise ConfigError("warmup", f"must be >= 0, got {self.warmup}")
+        if self.repeats < 1:
+            raise ConfigError("repeats", f"must be >= 1, got {self.repeats}")
+        if self.max_repeats < self.repeats:
+            raise ConfigError("max_repeats", f"must be >= repeats ({self.repeats}), got {self.max_repeats}")
+        if self.min_time_s < 0:
+            raise ConfigError("min_time_s", f"must be >= 0, got {self.min_time_s}")
+        if self.clock not in CLOCKS:
+            raise ConfigError("clock", f"{self.clock!r} is not one of {list(CLOCKS)}")
+        if self.statistic not in STATISTICS:
+            raise ConfigError("statistic", f"{self.statistic!r} is not one of {list(STATISTICS)}")
+        return self
+
+
+CLOCKS = ("wall", "thread")
+
+
+class Clock:
+    """Times a callable on one device: CUDA events on GPU, else the policy's CPU clock."""
+
+    def __init__(self, device: str, clock: str = "wall"):
+        from autoplan.errors import ConfigError
+        self.device = torch.device(device)
+        self.cuda = self.device.type == "cuda"
+        if clock not in CLOCKS:
+            raise ConfigError("clock", f"{clock!r} is not one of {list(CLOCKS)}")
+        if clock == "thread" and not self.cuda and torch.get_num_threads() != 1:
+            raise ConfigError("clock", f"'thread' times only the calling thread, but torch uses "
+                              f"{torch.get_num_threads()} threads", "add --threads 1, or use --clock wall")
+        self.name = "cuda events" if self.cuda else clock
+        self._now = time.thread_time if clock == "thread" else time.perf_counter
+
+    def sync(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+
+    def time(self, fn: Callable[[], object]) -> tuple[float, object]:
+        """(seconds, fn's result)."""
+        if self.cuda:
+            start = torch.cuda.Event(enable_timing=True)
+            end = torch.cuda.Event(enable_timing=True)
+            # Earlier work must not leak into this interval.
+            torch.cuda.synchronize(self.device)
+            start.record()
+            out = fn()
+            end.record()
+            end.synchronize()
+            return start.elapsed_time(end) / 1e3, out
+        t0 = self._now()
+        out = fn()
+        return self._now() - t0, out
+
+
+def median(xs: list[float]) -> float:
+    return statistics.median(xs) if xs else 0.0
+
+
+def p10(xs: list[float]) -> float:
+    """First decile (linear interpolation between order statistics)."""
+    if len(xs) < 2:
+        return xs[0] if xs else 0.0
+    return statistics.quantiles(xs, n=10, method="inclusive")[0]
+
+
+STATISTICS = {"median": median, "p10": p10, "min": min}
+"""The summaries of repeated timings a profile records."""
+
+
+def spread(xs: list[float]) -> float:
+    """Interquartile range over the median: how noisy the samples were."""
+    if len(xs) < 4:
+        return 0.0
+    q = statistics.quantiles(xs, n=4)
+    m = statistics.median(xs)
+    return (q[2] - q[0]) / m if m > 0 else 0.0
+
+
+class SavedBytes:
+    """Bytes of the distinct storages autograd saves for backward, parameters excluded
+    (they are held anyway). Use as ``torch.autograd.graph.saved_tensors_hooks(s.pack, s.unpack)``."""
+
+    def __init__(self, params):
+        self.params = {p.untyped_storage().data_ptr() for p in params}
+        self.seen: dict[int, int] = {}
+
+    def pack(self, t: torch.Tensor):
+        st = t.untyped_storage()
+        key = st.data_ptr()
+        if key not in self.params:
+            self.seen.setdefault(key, st.nbytes())
+        return t
+
+    @staticmethod
+    def unpack(t):
+        return t
+
+    @property
+    def total(self) -> int:
+        return sum(self.seen.values())
+
+
+@contextlib.contextmanager
+def quiet_native_stderr():
+    """Silence what native code writes to file descriptor 2 while the profiler starts and
+    stops (some builds print trace-point lines there). Python exceptions still propagate."""
+    try:
+        saved = os.dup(2)
+    except OSError:
+        yield
+        return
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 2)
+            try:
+                yield
+            finally:
+                os.dup2(saved, 2)
+    finally:
+        os.close(saved)
+
+
+@dataclass
+class OpProfile:
+    """What one pass (forward or backward) spent, from ``torch.profiler``."""
+
+    times_ms: dict[str, float]
+    """Milliseconds of operator self time by category: 'gemm', 'attention', 'other'
+    (device kernel time on GPU, CPU self time on CPU), and 'profiled' (the pass's wall
+    time under the profiler, which adds its own per-operator cost)."""
+    peak_bytes: float | None
+    """Largest net allocation during the pass (CPU allocation records), None if unavailable."""
+    end_bytes: float | None
+    """Net allocation left at the end of the pass."""
+
+
+def _category(name: str) -> str:
+    if name in GEMM_OPS:
+        return "gemm"
+    if any(m in name for m in ATTENTION_MARKERS):
+        return "attention"
+    return "other"
+
+
+def _allocation_trace(prof) -> list[tuple[int, int]]:
+    """(time_ns, bytes) of every allocation (+) and free (-) the profiler recorded.
+    Uses the profiler's event tree, which carries the allocator's records."""
+    try:
+        from torch._C._profiler import _EventType
+        tree = prof.profiler.kineto_results.experimental_event_tree()
+    except Exception:  # noqa: BLE001 - a private API; its absence only loses CPU peaks
+        return []
+    out = []
+    stack = list(tree)
+    while stack:
+        e = stack.pop()
+        if e.tag == _EventType.Allocation:
+            f = e.extra_fields
+            if getattr(f, "device", torch.device("cpu")).type == "cpu":
+                out.append((e.start_time_ns, int(f.alloc_size)))
+        stack.extend(e.children)
+    out.sort()
+    return out
+
+
+def profile_pass(fn: Callable[[], object], clock: Clock, memory: bool) -> tuple[OpProfile, object]:
+    """Run ``fn`` once under ``torch.profiler``: time by operator category and, on CPU
+    with ``memory``, the allocation peak."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if clock.cuda else [])
+    clock.sync()
+    with quiet_native_stderr():
+        with profile(activities=activities, profile_memory=memory and not clock.cuda) as prof:
+            t0 = time.perf_counter()
+            out = fn()
+            clock.sync()
+            wall_us = (time.perf_counter() - t0) * 1e6
+    by_cat = {"gemm": 0.0, "attention": 0.0, "other": 0.0}
+    for evt in prof.key_averages():
+        if not evt.key.startswith("aten::"):
+            continue
+        t = evt.self_device_time_total if clock.cuda else evt.self_cpu_time_total
+        by_cat[_category(evt.key)] += float(t) / 1e3
+    times = {f"{k}_ms": v for k, v in by_cat.items()}
+    times["profiled_ms"] = wall_us / 1e3
+    peak = end = None
+    if memory and not clock.cuda:
+        trace = _allocation_trace(prof)
+        if trace:
+            cur = top = 0
+            for _t, nbytes in trace:
+                cur += nbytes
+                top = max(top, cur)
+            peak, end = float(top), float(cur)
+    return OpProfile(times_ms=times, peak_bytes=peak, end_bytes=end), out

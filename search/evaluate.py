@@ -1,0 +1,238 @@
+"""Fast analytic evaluation of a candidate plan: the cost model's per-stage costs and
+per-group memory (exact, from the tables), and a closed-form pipeline time that
+stands in for the event simulation while thousands of candidates are compared.
+
+The closed form follows the textbook pipeline analyses the simulated schedules come
+from: 1F1B/GPipe take ``(m - 1)`` steady periods of the slowest rank plus one pass
+through every stage (Narayanan et al. SC21 §2.2: bubble ``(p - 1)`` stage times),
+interleaving divides the fill/drain by ``v`` (ibid.), and zero-bubble ZB-H1 shrinks it
+to ``F + B_input - B_weight`` per stage (Qi et al. ICLR 2024, §3). Data-parallel
+reduction exposure and the optimizer step are added per rank as the simulation does.
+Only a shortlist ranked by this is handed to the full ``costmodel.estimate``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Sequence
+
+from autoplan.models.spec import ModelSpec
+from autoplan.plan import DeviceGroup, Plan, Stage
+from costmodel.memory import GRAD_BYTES_PER_PARAM
+from search.inflight import inflight
+from search.tables import RECOMPUTES, Kind, Tables
+
+
+@dataclass(frozen=True)
+class Skeleton:
+    """The pipeline's device groups before layers are assigned to them."""
+
+    groups: tuple[DeviceGroup, ...]
+    """One device group per pipeline rank, in pipeline order."""
+    kinds: tuple[Kind, ...]
+    """Node group and tensor-parallel degree of each device group."""
+
+    @property
+    def pp(self) -> int:
+        return len(self.groups)
+
+    @property
+    def dp(self) -> int:
+        return self.groups[0].dp
+
+    @property
+    def num_gpus(self) -> int:
+        return sum(len(g.ranks) for g in self.groups)
+
+
+@dataclass(frozen=True)
+class Setting:
+    """Every choice of a plan other than device groups, layer split and recomputation."""
+
+    micro_batch: int
+    """Samples per micro-batch."""
+    num_micro_batches: int
+    """Micro-batches per iteration per data-parallel replica."""
+    schedule: str
+    """Pipeline schedule name (see autoplan.plan.SCHEDULES)."""
+    virtual_stages: int
+    """Chunks per pipeline rank (>1 only for interleaved-1f1b)."""
+    zero: int
+    """ZeRO stage 0-3."""
+    sequence_parallel: bool
+    """Megatron sequence parallelism (only meaningful where tp > 1)."""
+
+
+@dataclass
+class Analysis:
+    """What the fast model says about one candidate."""
+
+    time_s: float
+    """Predicted iteration time (closed form)."""
+    memory: tuple[float, ...]
+    """Per pipeline group: predicted peak bytes per GPU (the cost model's accounting)."""
+    fits: bool
+    """Every group within its devices' memory."""
+
+
+@dataclass
+class Candidate:
+    """A complete plan in the search's own terms, with its fast-model analysis."""
+
+    skeleton: Skeleton
+    setting: Setting
+    bounds: tuple[tuple[int, int], ...]
+    """[start, end) units of every stage, in model order."""
+    recompute: tuple[str, ...]
+    """Recompute mode of every stage."""
+    analysis: Analysis | None = None
+
+    def to_plan(self, model: ModelSpec, dtype: str = "bf16") -> Plan:
+        s, sk = self.setting, self.skeleton
+        stages = tuple(Stage(start=a, end=b, group=j % sk.pp, recompute=r)
+                       for j, ((a, b), r) in enumerate(zip(self.bounds, self.recompute)))
+        return Plan(groups=sk.groups, stages=stages, micro_batch=s.micro_batch,
+                    num_micro_batches=s.num_micro_batches, schedule=s.schedule,
+                    virtual_stages=s.virtual_stages, sequence_parallel=s.sequence_parallel,
+                    zero=s.zero, dtype=dtype, model=model.name, seq_len=model.seq_len)
+
+    def key(self) -> tuple:
+        """Identity of the plan (for de-duplication and fixed tie-breaking)."""
+        s = self.setting
+        return (tuple(g.ranks for g in self.skeleton.groups), tuple(g.tp for g in self.skeleton.groups),
+                s.micro_batch, s.schedule, s.virtual_stages, s.zero, s.sequence_parallel,
+                self.bounds, self.recompute)
+
+
+@dataclass
+class StageFigures:
+    """Per-micro-batch costs of one stage (the cost model's StageCosts, recomputed)."""
+
+    forward: float
+    backward_input: float
+    backward_weight: float
+    send_forward: float
+    send_backward: float
+    grad_reduce: float
+    params: float
+    activation: float
+    transient: float
+    max_params: float
+    units: int
+
+    @property
+    def backward(self) -> float:
+        return self.backward_input + self.backward_weight
+
+
+def stage_figures(tables: Tables, sk: Skeleton, st: Setting, bounds: Sequence[tuple[int, int]],
+                  recompute: Sequence[str]) -> list[StageFigures]:
+    """Costs of every stage, as ``costmodel.estimate.stage_costs`` computes them."""
+    P, n = sk.pp, len(bounds)
+    w = tables.weight_bytes
+    out = []
+    for j, ((a, b), mode) in enumerate(zip(bounds, recompute)):
+        g = j % P
+        group = sk.groups[g]
+        t = tables.table(sk.kinds[g], st.micro_batch, st.sequence_parallel)
+        q = RECOMPUTES.index(mode)
+        fwd = t.cum_forward[b] - t.cum_forward[a]
+        bi = t.cum_backward_input[q, b] - t.cum_backward_input[q, a]
+        bw = t.cum_backward_weight[b] - t.cum_backward_weight[a]
+        params = t.cum_params[b] - t.cum_params[a]
+        reduce = 0.0
+        if st.zero >= 3 and group.dp > 1:
+            gather = tables.dp_collective(group, params * w, "all_gather")
+            scatter = tables.dp_collective(group, params * GRAD_BYTES_PER_PARAM, "reduce_scatter")
+            fwd = max(fwd, gather)
+            bi += max(0.0, gather + scatter - (bi + bw))
+        elif group.dp > 1:
+            reduce = tables.dp_collective(group, params * GRAD_BYTES_PER_PARAM,
+                                          "reduce_scatter" if st.zero >= 1 else "all_reduce")
+        send_f = send_b = 0.0
+        if j < n - 1:
+            nxt = sk.groups[(j + 1) % P]
+            if nxt is not group:
+                send_f = tables.p2p(group, nxt, float(t.output_bytes[b - 1]))
+        if j > 0:
+            prv = sk.groups[(j - 1) % P]
+            if prv is not group:
+                send_b = tables.p2p(group, prv, float(t.output_bytes[a - 1]))
+        out.append(StageFigures(
+            forward=fwd, backward_input=bi, backward_weight=bw, send_forward=send_f, send_backward=send_b,
+            grad_reduce=reduce, params=params,
+            activation=t.cum_activation[q, b] - t.cum_activation[q, a],
+            transient=float(t.max_transient[q, a, b]), max_params=float(t.max_params[a, b]), units=b - a))
+    return out
+
+
+def group_memory(tables: Tables, sk: Skeleton, st: Setting, figs: Sequence[StageFigures]) -> list[float]:
+    """Peak bytes per GPU of every pipeline group."""
+    P, v = sk.pp, st.virtual_stages
+    fl = inflight(st.schedule, P, st.num_micro_batches, v)
+    out = []
+    for g in range(P):
+        mine = figs[g::P]
+        params = sum(f.params for f in mine)
+        states = tables.state_bytes(params, max(f.max_params for f in mine), sk.dp, st.zero)
+        act = fl.peak_bytes(g, [f.activation for f in mine])
+        trans = max(f.transient for f in mine)
+        out.append(tables.memory_total(states, act, trans))
+    return out
+
+
+def pipeline_time(sk: Skeleton, st: Setting, figs: Sequence[StageFigures], tables: Tables) -> float:
+    """Closed-form iteration time (see the module docstring)."""
+    P, v, m = sk.pp, st.virtual_stages, st.num_micro_batches
+    S = len(figs)
+    work = [f.forward + f.backward for f in figs]
+    per_rank = [sum(work[g::P]) for g in range(P)]
+    tau = max(per_rank)
+    total = sum(work)
+    # One micro-batch crosses every boundary forward and backward once per pass.
+    comm = sum(figs[j].send_forward + figs[j + 1].send_backward for j in range(S - 1))
+    if st.schedule == "zero-bubble" and P > 1:
+        # ZB-H1 fills the bubble with deferred weight-gradient work: (p-1)(F + B_in - B_w).
+        fill = [f.forward + f.backward_input - f.backward_weight for f in figs]
+        bubble = max(0.0, sum(fill) - max(fill))
+        pipe = m * tau + bubble + comm
+    elif st.schedule == "gpipe" and P > 1:
+        fw = [f.forward for f in figs]
+        bw = [f.backward for f in figs]
+        pipe = sum(fw) + (m - 1) * max(fw) + sum(bw) + (m - 1) * max(bw) + comm
+    else:
+        # 1F1B; interleaving divides the fill/drain by v (Narayanan et al. 2021, §2.2).
+        pipe = m * tau + (total - tau) / v + comm
+    # Rank g finishes its compute once the last backward has flowed back to it; then its
+    # exposed gradient reduction and optimizer step follow.
+    end = 0.0
+    drain = 0.0
+    w = tables.weight_bytes
+    for g in range(P):
+        if g > 0:
+            drain += figs[g - 1].backward + figs[g].send_backward
+        last = figs[g]   # chunk 0 of rank g runs the rank's last backward
+        tail_action = last.backward_weight if st.schedule == "zero-bubble" else last.backward
+        reduce = sum(f.grad_reduce for f in figs[g::P])
+        exposed = 0.0
+        if reduce > 0:
+            exposed = max(reduce - tail_action, last.grad_reduce / max(last.units, 1))
+        params = sum(f.params for f in figs[g::P])
+        group = sk.groups[g]
+        opt = params / (group.dp if st.zero >= 1 else 1) * tables.optimizer_rate(sk.kinds[g].pool)
+        if st.zero in (1, 2) and group.dp > 1:
+            opt += tables.dp_collective(group, params * w, "all_gather")
+        end = max(end, pipe - drain + exposed + opt)
+    return end
+
+
+def analyze(tables: Tables, sk: Skeleton, st: Setting, bounds, recompute) -> tuple[Analysis, list]:
+    """Fast-model time and memory of a candidate."""
+    figs = stage_figures(tables, sk, st, bounds, recompute)
+    mem = group_memory(tables, sk, st, figs)
+    caps = [tables.cluster.groups[k.pool].device.memory_bytes for k in sk.kinds]
+    fits = all(x <= c for x, c in zip(mem, caps))
+    return Analysis(time_s=pipeline_time(sk, st, figs, tables), memory=tuple(mem), fits=fits), figs
+
+
+__all__ = ["Skeleton", "Setting", "Candidate", "Analysis", "StageFigures", "stage_figures",
+           "group_memory", "pipeline_time", "analyze", "replace"]

@@ -1,0 +1,83 @@
+"""How many micro-batches' activations each pipeline rank holds at its peak, per schedule.
+
+The cost model's simulation adds a stage's activation bytes at each forward and releases
+them at the backward (weight-gradient part for zero-bubble), in each rank's program
+order; so the live set of a rank depends only on the order of its actions, never on
+their durations. That makes the peak computable here, once per (schedule, pp, m, v),
+from the very schedule program the cost model simulates: for every rank, the count
+vectors (micro-batches held, per chunk of the rank) at which memory can peak.
+
+Under 1F1B the first stage holds ``pp`` micro-batches and the last one; GPipe holds all
+``m`` everywhere. The counts stop growing once ``m`` exceeds a few times ``pp`` (the
+warm-up depth bounds them), so long programs are summarized from a shorter one.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+from autoplan.plan import DeviceGroup, Plan, Stage
+from autoplan.schedule import build_program
+
+
+@dataclass(frozen=True)
+class Inflight:
+    """Peak in-flight micro-batches of every pipeline rank under one schedule."""
+
+    peaks: tuple[tuple[tuple[int, ...], ...], ...]
+    """peaks[g]: count vectors (one entry per chunk of rank g, chunk c = stage g + c * pp)
+    that are maximal among the states a forward leaves behind; the activation peak of
+    rank g is the largest dot product of one of them with the chunks' bytes."""
+    per_chunk: tuple[tuple[int, ...], ...]
+    """per_chunk[g][c]: the most micro-batches chunk c of rank g ever holds (an upper
+    bound that separates by chunk, for the layer-split DP)."""
+
+    def peak_bytes(self, g: int, chunk_bytes) -> float:
+        """Exact peak activation bytes of rank ``g`` given each chunk's bytes per micro-batch."""
+        return max(sum(n * a for n, a in zip(vec, chunk_bytes)) for vec in self.peaks[g])
+
+
+def _pareto(vectors: set[tuple[int, ...]]) -> tuple[tuple[int, ...], ...]:
+    out = []
+    for v in sorted(vectors, reverse=True):
+        if not any(all(a >= b for a, b in zip(w, v)) for w in out):
+            out.append(v)
+    return tuple(out)
+
+
+@lru_cache(maxsize=4096)
+def inflight(schedule: str, pp: int, num_micro_batches: int, virtual_stages: int = 1) -> Inflight:
+    """In-flight counts of ``schedule`` with ``pp`` ranks, ``num_micro_batches`` micro-batches
+    and ``virtual_stages`` chunks per rank."""
+    m, v = num_micro_batches, virtual_stages
+    if schedule == "gpipe":
+        return Inflight(peaks=tuple(((m,),) for _ in range(pp)), per_chunk=tuple((m,) for _ in range(pp)))
+    if schedule == "1f1b" or pp == 1:
+        n = [min(pp - g, m) for g in range(pp)]
+        return Inflight(peaks=tuple(((k,),) for k in n), per_chunk=tuple((k,) for k in n))
+    # Interleaved and zero-bubble: read the peaks off the program itself. Three rounds of
+    # pp micro-batches cover warm-up, one steady round and cool-down (the counts are flat
+    # after that; checked by the tests), and keep m a multiple of pp as interleaving needs.
+    m_short = min(m, 3 * pp)
+    groups = tuple(DeviceGroup(ranks=(g,), tp=1) for g in range(pp))
+    stages = tuple(Stage(start=j, end=j + 1, group=j % pp) for j in range(pp * v))
+    plan = Plan(groups=groups, stages=stages, micro_batch=1, num_micro_batches=m_short,
+                schedule=schedule, virtual_stages=v)
+    program = build_program(plan)
+    peaks, per_chunk = [], []
+    for g, actions in enumerate(program.ranks):
+        count = [0] * v
+        states: set[tuple[int, ...]] = set()
+        top = [0] * v
+        release = "W" if program.split_backward else "B"
+        for a in actions:
+            c = a.stage // pp
+            if a.kind == "F":
+                count[c] += 1
+                states.add(tuple(count))
+                top[c] = max(top[c], count[c])
+            elif a.kind == release:
+                count[c] -= 1
+        peaks.append(_pareto(states))
+        per_chunk.append(tuple(top))
+    return Inflight(peaks=tuple(peaks), per_chunk=tuple(per_chunk))

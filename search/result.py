@@ -1,0 +1,175 @@
+"""What a search returns: the ranked plans with their full estimates, the statistics of
+the search, a table for people and an explanation of why the best plan wins."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from autoplan.cluster import Cluster
+from autoplan.plan import Plan
+from autoplan.units import GiB
+from costmodel import Estimate
+from search.placement import PlacementStats
+
+BREAKDOWN_WORDS = {
+    "compute": "compute on the critical rank",
+    "tp_communication": "tensor-parallel communication",
+    "bubble": "pipeline bubble (idle time waiting on other stages)",
+    "dp_communication": "exposed data-parallel gradient communication",
+    "optimizer": "optimizer step and ZeRO parameter gathers",
+}
+
+
+@dataclass
+class RankedPlan:
+    """One plan of the ranking, with the cost model's verdict on it."""
+
+    rank: int
+    """1 = best."""
+    plan: Plan
+    """The plan (``plan.save(path, extra={"estimate": estimate.to_dict()})`` writes it)."""
+    estimate: Estimate
+    """Full cost-model estimate (``costmodel.estimate``): the ranking key."""
+    predicted_s: float
+    """The search's closed-form iteration time that put it on the shortlist."""
+    gpus_used: int
+    """GPUs the plan uses (may be fewer than the cluster has: a choice, reported)."""
+
+    @property
+    def iteration_time_s(self) -> float:
+        return self.estimate.iteration_time_s
+
+
+@dataclass
+class SearchStats:
+    """How the search went: sizes of the space, what pruned what, time per phase."""
+
+    candidates: int = 0
+    """(device groups x setting) combinations enumerated."""
+    skeletons: int = 0
+    """Distinct pipelines of device groups (meshes) considered."""
+    pruned_memory_bound: int = 0
+    """Candidates dropped because a lower bound on their memory exceeds the devices'."""
+    pruned_time_bound: int = 0
+    """Candidates never split because a lower bound on their time could not beat the shortlist."""
+    pruned_no_split: int = 0
+    """Candidates for which the DP found no layer split that fits in memory."""
+    splits: int = 0
+    """Layer-split DP runs."""
+    shortlisted: int = 0
+    """Candidates kept for the full cost model."""
+    estimates: int = 0
+    """Full ``costmodel.estimate`` calls."""
+    estimate_fit_mismatch: int = 0
+    """Shortlisted plans the full estimate found over memory (should stay 0)."""
+    placement: PlacementStats | None = None
+    """CP-SAT placement statistics (heterogeneous clusters only)."""
+    phase_s: dict[str, float] = field(default_factory=dict)
+    """Seconds per phase: tables, placement, enumerate, split, estimate."""
+    total_s: float = 0.0
+    """Wall time of the whole search."""
+
+    def summary(self) -> str:
+        phases = ", ".join(f"{k} {v:.2f}s" for k, v in self.phase_s.items())
+        lines = [f"searched {self.candidates:,} candidates on {self.skeletons:,} device-group pipelines "
+                 f"in {self.total_s:.2f} s ({phases})",
+                 f"  pruned: {self.pruned_memory_bound:,} by memory bound, {self.pruned_time_bound:,} by time "
+                 f"bound, {self.pruned_no_split:,} with no fitting split; {self.splits:,} DP splits, "
+                 f"{self.estimates} full estimates"]
+        if self.placement is not None:
+            p = self.placement
+            lines.append(f"  placement: {p.solves} CP-SAT solves ({p.optimal} optimal, {p.infeasible} infeasible), "
+                         f"{p.skeletons} device-group sequences, {p.wall_s:.2f} s")
+        return "\n".join(lines)
+
+
+def memory_by_device(est: Estimate, cluster: Cluster) -> dict[str, tuple[float, float]]:
+    """Device type -> (largest per-GPU peak bytes of the plan on it, device capacity)."""
+    out: dict[str, tuple[float, float]] = {}
+    for r, mem in est.memory_by_rank.items():
+        dev = cluster.slots[r].device
+        prev = out.get(dev.name, (0.0, dev.memory_bytes))
+        out[dev.name] = (max(prev[0], mem), dev.memory_bytes)
+    return out
+
+
+def describe_degrees(plan: Plan) -> tuple[str, str, str]:
+    """(dp, tp, pp) as strings; tp lists each group's degree when they differ."""
+    tps = [g.tp for g in plan.groups]
+    tp = str(tps[0]) if len(set(tps)) == 1 else "/".join(map(str, tps))
+    pp = f"{plan.pp}x{plan.virtual_stages}" if plan.virtual_stages > 1 else str(plan.pp)
+    return str(plan.dp), tp, pp
+
+
+@dataclass
+class SearchResult:
+    """Plans ranked by the full cost model, best first."""
+
+    ranked: list[RankedPlan]
+    """Every fully estimated plan that fits, best (shortest iteration) first."""
+    stats: SearchStats
+    """Search statistics."""
+    cluster: Cluster
+    """The cluster searched."""
+    model_name: str
+    """Model searched."""
+    global_batch: int
+    """Samples per iteration."""
+
+    @property
+    def best(self) -> RankedPlan:
+        return self.ranked[0]
+
+    def table(self, top_k: int = 5) -> str:
+        """The top plans as a plain-text table."""
+        rows = []
+        total = self.cluster.num_gpus
+        for rp in self.ranked[:top_k]:
+            p, e = rp.plan, rp.estimate
+            dp, tp, pp = describe_degrees(p)
+            mem = " ".join(f"{name} {used / GiB:.1f}/{cap / GiB:.0f}"
+                           for name, (used, cap) in memory_by_device(e, self.cluster).items())
+            gpus = f"{rp.gpus_used}" if rp.gpus_used == total else f"{rp.gpus_used}/{total}"
+            rows.append([str(rp.rank), gpus, dp, tp, pp, p.schedule, f"{p.micro_batch}x{p.num_micro_batches}",
+                         str(p.zero), p.recompute + (" sp" if p.sequence_parallel else ""),
+                         f"{e.iteration_time_s:.3f}", f"{e.tokens_per_s:,.0f}", f"{e.mfu:.1%}", mem])
+        header = ["#", "GPUs", "dp", "tp", "pp", "schedule", "mb x n", "zero", "recompute",
+                  "iter s", "tokens/s", "MFU", "peak GiB/device"]
+        return _format_table(rows, header)
+
+    def explain(self) -> str:
+        """Why the best plan beats the runner-up: the breakdown term that differs most."""
+        best = self.best
+        lines = [f"best: {best.plan.describe()}", f"  {best.estimate.iteration_time_s:.4g} s per iteration, "
+                 f"{best.estimate.tokens_per_s:,.0f} tokens/s, MFU {best.estimate.mfu:.1%}"]
+        if best.gpus_used < self.cluster.num_gpus:
+            lines.append(f"  it uses {best.gpus_used} of the cluster's {self.cluster.num_gpus} GPUs: adding the "
+                         "rest gave no faster plan under the global batch")
+        if len(self.ranked) < 2:
+            lines.append("no runner-up fits, so there is nothing to compare against")
+            return "\n".join(lines)
+        second = self.ranked[1]
+        b1, b2 = best.estimate.breakdown, second.estimate.breakdown
+        diffs = sorted(((b2.get(k, 0.0) - b1.get(k, 0.0), k) for k in set(b1) | set(b2)), reverse=True)
+        gap = second.estimate.iteration_time_s - best.estimate.iteration_time_s
+        lines.append(f"runner-up: {second.plan.describe()}")
+        lines.append(f"  {second.estimate.iteration_time_s:.4g} s per iteration ({gap:.3g} s, "
+                     f"{gap / best.estimate.iteration_time_s:.1%} slower)")
+        d, k = diffs[0]
+        if d > 0:
+            lines.append(f"the biggest difference is {BREAKDOWN_WORDS.get(k, k)}: {b2[k]:.4g} s for the runner-up "
+                         f"against {b1[k]:.4g} s for the best ({d:.3g} s more)")
+        against = [f"{BREAKDOWN_WORDS.get(k, k).split(' (')[0]} {-d:.3g} s" for d, k in diffs if d < 0]
+        if against:
+            lines.append("the runner-up is ahead on " + ", ".join(against) + ", which does not make up for it")
+        lines.append("breakdown (s)      " + "  ".join(f"{k:>16}" for k in b1))
+        lines.append("  best             " + "  ".join(f"{b1[k]:>16.4g}" for k in b1))
+        lines.append("  runner-up        " + "  ".join(f"{b2.get(k, 0.0):>16.4g}" for k in b1))
+        return "\n".join(lines)
+
+
+def _format_table(rows: list[list[str]], header: list[str]) -> str:
+    cells = [header] + rows
+    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in cells]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)

@@ -1,0 +1,146 @@
+"""The search space and the constraints a caller may put on it.
+
+``autoplan.search(model, cluster, global_batch, **constraints)`` takes every field of
+:class:`Constraints` as a keyword; a single value or a list narrows a dimension
+(``tp=8``, ``schedules=["1f1b"]``), ``None`` leaves it to the search.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any
+
+from autoplan.errors import ConfigError, closest
+from autoplan.plan import SCHEDULES
+from search.tables import RECOMPUTES
+
+
+@dataclass(frozen=True)
+class Constraints:
+    """Limits on the search space and on the search's own effort."""
+
+    tp: tuple[int, ...] | None = None
+    """Tensor-parallel degrees allowed (None: every degree that divides the attention heads
+    and the GPUs of a node)."""
+    pp: tuple[int, ...] | None = None
+    """Pipeline depths allowed (None: 1 up to the model's units)."""
+    dp: tuple[int, ...] | None = None
+    """Data-parallel degrees allowed (None: every divisor of the global batch that fits)."""
+    micro_batch: tuple[int, ...] | None = None
+    """Micro-batch sizes allowed (None: divisors of the per-replica batch up to max_micro_batch)."""
+    max_micro_batch: int = 16
+    """Largest micro-batch tried when micro_batch is None."""
+    schedules: tuple[str, ...] = SCHEDULES
+    """Pipeline schedules tried."""
+    virtual_stages: tuple[int, ...] | None = None
+    """Chunks per pipeline rank tried for interleaved-1f1b (None: 2 .. max_virtual_stages)."""
+    max_virtual_stages: int = 4
+    """Largest interleaving depth tried when virtual_stages is None."""
+    recompute: tuple[str, ...] = RECOMPUTES
+    """Recompute modes each stage may use (chosen per stage by the layer-split DP)."""
+    zero: tuple[int, ...] = (0, 1, 2, 3)
+    """ZeRO stages tried."""
+    sequence_parallel: tuple[bool, ...] = (False, True)
+    """Sequence-parallel settings tried (only where tp > 1)."""
+    use_all_gpus: bool = False
+    """Require every GPU of the cluster to be used (by default fewer may win, and the
+    result says so)."""
+    max_estimates: int = 48
+    """Most candidates handed to the full cost model (``costmodel.estimate``)."""
+    estimate_actions: int = 600_000
+    """Budget of schedule actions (stages x micro-batches x passes) the full estimates may
+    simulate in total; bounds their time for very long pipelines. Deterministic."""
+    placement_alternatives: int = 2
+    """Device-group sequences CP-SAT returns per (dp, micro-batch) on heterogeneous clusters."""
+    placement_time_limit: float = 2.0
+    """CP-SAT deterministic time limit per solve (roughly seconds)."""
+    max_stages: int = 64
+    """Longest pipeline CP-SAT considers on heterogeneous clusters."""
+    seed: int = 0
+    """CP-SAT random seed (with one worker, results are reproducible)."""
+    progress: bool = True
+    """Show a progress bar on stderr (only when it is a terminal)."""
+    profiles: Any = None
+    """Measured layer profiles passed to the cost model (None: catalog roofline)."""
+
+    @classmethod
+    def build(cls, **kwargs) -> "Constraints":
+        """Validate keyword constraints; single values become one-element tuples."""
+        known = {f.name for f in fields(cls)}
+        for k in kwargs:
+            if k not in known:
+                hint = closest(k, known)
+                raise ConfigError(k, "is not a search constraint", hint or f"known: {', '.join(sorted(known))}")
+        out = {}
+        for k, v in kwargs.items():
+            if k in ("tp", "pp", "dp", "micro_batch", "virtual_stages"):
+                if v is None:
+                    out[k] = None
+                    continue
+                vals = _tuple(v)
+                for x in vals:
+                    if not isinstance(x, int) or isinstance(x, bool) or x < 1:
+                        raise ConfigError(k, f"must be positive integers, got {x!r}")
+                out[k] = tuple(sorted(set(vals)))
+            elif k == "schedules":
+                vals = _tuple(v)
+                for x in vals:
+                    if x not in SCHEDULES:
+                        raise ConfigError(k, f"{x!r} is not a schedule", closest(str(x), SCHEDULES)
+                                          or f"choose from {list(SCHEDULES)}")
+                out[k] = tuple(s for s in SCHEDULES if s in vals)
+            elif k == "recompute":
+                vals = _tuple(v)
+                for x in vals:
+                    if x not in RECOMPUTES:
+                        raise ConfigError(k, f"{x!r} is not a recompute mode", f"choose from {list(RECOMPUTES)}")
+                out[k] = tuple(s for s in RECOMPUTES if s in vals)
+            elif k == "zero":
+                vals = _tuple(v)
+                for x in vals:
+                    if x not in (0, 1, 2, 3) or isinstance(x, bool):
+                        raise ConfigError(k, f"{x!r} is not a ZeRO stage", "choose from 0, 1, 2, 3")
+                out[k] = tuple(sorted(set(vals)))
+            elif k == "sequence_parallel":
+                vals = _tuple(v)
+                for x in vals:
+                    if not isinstance(x, bool):
+                        raise ConfigError(k, f"must be True or False, got {x!r}")
+                out[k] = tuple(sorted(set(vals)))
+            elif k in ("max_micro_batch", "max_virtual_stages", "max_estimates", "estimate_actions",
+                       "placement_alternatives", "max_stages"):
+                if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                    raise ConfigError(k, f"must be a positive integer, got {v!r}")
+                out[k] = v
+            elif k == "placement_time_limit":
+                if not isinstance(v, (int, float)) or isinstance(v, bool) or v <= 0:
+                    raise ConfigError(k, f"must be a positive number of seconds, got {v!r}")
+                out[k] = float(v)
+            elif k in ("use_all_gpus", "progress"):
+                if not isinstance(v, bool):
+                    raise ConfigError(k, f"must be True or False, got {v!r}")
+                out[k] = v
+            else:
+                out[k] = v
+        for k in ("schedules", "recompute", "zero", "sequence_parallel"):
+            if k in out and not out[k]:
+                raise ConfigError(k, "must allow at least one value")
+        return cls(**out)
+
+
+def _tuple(v) -> tuple:
+    if isinstance(v, (list, tuple, set, frozenset)):
+        return tuple(v)
+    return (v,)
+
+
+def divisors(n: int) -> list[int]:
+    """Divisors of ``n`` in increasing order."""
+    small, large = [], []
+    i = 1
+    while i * i <= n:
+        if n % i == 0:
+            small.append(i)
+            if i * i != n:
+                large.append(n // i)
+        i += 1
+    return small + large[::-1]

@@ -1,0 +1,250 @@
+"""Per-unit cost tables: the cost model's per-layer figures laid out as arrays with prefix
+sums, so that the cost of any contiguous run of units on any device kind is O(1), and
+the cost of *every* run at once is one numpy expression (what the layer-split DP needs).
+
+Every figure comes from the cost model's own functions, on one layer at a time:
+``costmodel.compute.layer_timing`` for time, ``costmodel.memory.activation_bytes``,
+``model_state_bytes`` and ``transient_bytes`` for memory, ``costmodel.comm`` for
+collectives. Sums and maxima over a run reproduce what ``costmodel.estimate`` computes
+for a stage (it sums timings and activations over the stage's layers and takes the
+maximum transient), which the tests check plan by plan.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+import numpy as np
+
+from autoplan.cluster import Cluster
+from autoplan.models.spec import ModelSpec
+from autoplan.plan import DeviceGroup
+from autoplan.units import DTYPE_BYTES, GiB
+from costmodel.comm import collective_time, p2p_time
+from costmodel.compute import ProfileSource, layer_timing
+from costmodel.efficiency import default_efficiency
+from costmodel.estimate import ADAM_STEP_BYTES_PER_PARAM
+from costmodel.memory import (FRAGMENTATION, FRAMEWORK_OVERHEAD_BYTES, GRAD_BYTES_PER_PARAM,
+                              OPTIMIZER_BYTES_PER_PARAM, activation_bytes, transient_bytes)
+
+RECOMPUTES = ("none", "selective", "full")
+"""Recompute modes in order of increasing time and decreasing memory."""
+
+OVERHEAD = FRAMEWORK_OVERHEAD_BYTES
+"""Fixed bytes per GPU (CUDA context, workspaces), as the cost model counts them."""
+DYNAMIC_FACTOR = 1.0 + FRAGMENTATION
+"""The cost model charges fragmentation on every byte of states, activations and transients."""
+
+
+@dataclass(frozen=True)
+class Kind:
+    """A device-group template: which node group the GPUs come from and the tensor-parallel
+    degree inside each replica."""
+
+    pool: int
+    """Index into ``Cluster.groups`` (every GPU of a device group is of this node group)."""
+    tp: int
+    """Tensor-parallel degree (the replica's GPUs sit in one node)."""
+
+
+@dataclass
+class LayerTable:
+    """Costs of every unit of a model on one device kind, at one micro-batch size and
+    sequence-parallel setting. Arrays are indexed by unit; ``cum_*`` arrays are prefix sums
+    of length ``units + 1`` so a run [s, e) costs ``cum[e] - cum[s]``."""
+
+    kind: Kind
+    """Device kind the table is for."""
+    micro_batch: int
+    """Samples per micro-batch."""
+    sequence_parallel: bool
+    """Whether tensor-parallel regions are sequence-sharded."""
+    forward: np.ndarray
+    """Forward seconds per micro-batch, tensor-parallel all-reduces included."""
+    tp_forward: np.ndarray
+    """The tensor-parallel communication part of ``forward``."""
+    backward_input: np.ndarray
+    """Input-gradient seconds per micro-batch, by recompute mode: shape (3, units);
+    includes the recomputation and the backward tensor-parallel communication."""
+    backward_weight: np.ndarray
+    """Weight-gradient seconds per micro-batch."""
+    params: np.ndarray
+    """Parameters per GPU (tensor-parallel shard)."""
+    activation: np.ndarray
+    """Bytes one micro-batch keeps for backward, by recompute mode: shape (3, units)."""
+    transient: np.ndarray
+    """Peak temporary bytes during the unit's backward, by recompute mode: shape (3, units)."""
+    output_bytes: np.ndarray
+    """Bytes of each unit's output for one micro-batch (what a pipeline send carries)."""
+    cum_forward: np.ndarray
+    cum_tp_forward: np.ndarray
+    cum_backward_input: np.ndarray
+    cum_backward_weight: np.ndarray
+    cum_params: np.ndarray
+    cum_activation: np.ndarray
+    max_params: np.ndarray
+    """max_params[s, e]: largest unit (in parameters) of the run [s, e) (ZeRO-3 working set)."""
+    max_transient: np.ndarray
+    """max_transient[q, s, e]: largest transient of the run [s, e) under recompute mode q."""
+    sources: frozenset
+    """'measured' and/or 'roofline': where the timings came from."""
+
+    @property
+    def units(self) -> int:
+        return len(self.forward)
+
+
+def _range_max(x: np.ndarray) -> np.ndarray:
+    """M[s, e] = max(x[s:e]) for s < e (0 elsewhere), in one vectorized pass."""
+    n = len(x)
+    rows = np.arange(n + 1)[:, None]
+    cols = np.arange(n + 1)[None, :]
+    vals = np.concatenate(([0.0], x))[cols]          # x[e - 1] at column e
+    a = np.where(cols - 1 >= rows, vals, -np.inf)
+    out = np.maximum.accumulate(a, axis=1)
+    return np.where(np.isfinite(out), out, 0.0)
+
+
+class Tables:
+    """Builds and caches :class:`LayerTable` s and communication costs for one
+    (model, cluster, dtype, profiles)."""
+
+    def __init__(self, model: ModelSpec, cluster: Cluster, dtype: str = "bf16",
+                 profiles: ProfileSource | None = None):
+        self.model = model
+        self.cluster = cluster
+        self.dtype = dtype
+        self.profiles = profiles
+        self.weight_bytes = DTYPE_BYTES[dtype]
+        self._tables: dict[tuple, LayerTable] = {}
+        self._pool_first = [cluster.group_ranks(k).start for k in range(len(cluster.groups))]
+        self.built = 0
+        """Tables built (for the search statistics)."""
+        # Per-instance caches (an lru_cache on methods would keep every search's tables alive).
+        self._affine: dict = {}
+        self._dp_affines: dict = {}
+        self._p2p: dict = {}
+        self._opt_rate: dict = {}
+
+    # --------------------------------------------------------------- layers
+    def table(self, kind: Kind, micro_batch: int, sequence_parallel: bool) -> LayerTable:
+        sp = sequence_parallel and kind.tp > 1
+        key = (kind, micro_batch, sp)
+        t = self._tables.get(key)
+        if t is None:
+            t = self._build(kind, micro_batch, sp)
+            self._tables[key] = t
+        return t
+
+    def _build(self, kind: Kind, b: int, sp: bool) -> LayerTable:
+        self.built += 1
+        model, dtype, tp = self.model, self.dtype, kind.tp
+        dev = self.cluster.groups[kind.pool].device
+        tp_ranks = tuple(range(self._pool_first[kind.pool], self._pool_first[kind.pool] + tp))
+        n = model.num_layers
+        fwd, tpf, bw, params, out = (np.zeros(n) for _ in range(5))
+        bi = np.zeros((3, n))
+        act = np.zeros((3, n))
+        trans = np.zeros((3, n))
+        sources = set()
+        memo: dict = {}
+        for i, layer in enumerate(model.layers):
+            row = memo.get(layer)
+            if row is None:
+                t = layer_timing(dev, layer, b, tp, sp, dtype, self.profiles)
+                tp_comm = 0.0
+                if tp > 1 and layer.tp_allreduces_fwd:
+                    tp_comm = layer.tp_allreduces_fwd * collective_time(
+                        self.cluster, tp_ranks, b * layer.output_bytes, "all_reduce")
+                rec = (0.0, t.recompute_selective, t.forward)
+                # The cost model repeats the forward's tensor-parallel all-reduces when a
+                # fully recomputed unit re-runs its forward.
+                bi_q = tuple(t.backward_input + rec[q] + tp_comm * (2 if q == 2 else 1) for q in range(3))
+                act_q = tuple(activation_bytes([layer], m, b, tp, sp) for m in RECOMPUTES)
+                trans_q = tuple(transient_bytes([layer], m, b, tp, sp) for m in RECOMPUTES)
+                row = (t.forward + tp_comm, tp_comm, bi_q, t.backward_weight, layer.params.at(tp),
+                       b * layer.output_bytes, act_q, trans_q, t.source)
+                memo[layer] = row
+            fwd[i], tpf[i], bi_q, bw[i], params[i], out[i], act_q, trans_q, src = row
+            bi[:, i], act[:, i], trans[:, i] = bi_q, act_q, trans_q
+            sources.add(src)
+
+        def cum(x):
+            return np.concatenate((np.zeros(x.shape[:-1] + (1,)), np.cumsum(x, axis=-1)), axis=-1)
+
+        return LayerTable(kind=kind, micro_batch=b, sequence_parallel=sp, forward=fwd, tp_forward=tpf,
+                          backward_input=bi, backward_weight=bw, params=params, activation=act,
+                          transient=trans, output_bytes=out, cum_forward=cum(fwd), cum_tp_forward=cum(tpf),
+                          cum_backward_input=cum(bi), cum_backward_weight=cum(bw), cum_params=cum(params),
+                          cum_activation=cum(act), max_params=_range_max(params),
+                          max_transient=np.stack([_range_max(trans[q]) for q in range(3)]),
+                          sources=frozenset(sources))
+
+    # ------------------------------------------------------------ states
+    def state_bytes(self, params: float | np.ndarray, max_params: float | np.ndarray, dp: int,
+                    zero: int):
+        """Weights + gradients + optimizer states (+ ZeRO-3 working set) per GPU for
+        ``params`` parameters, as ``costmodel.memory.model_state_bytes`` counts them."""
+        w = self.weight_bytes
+        total = (params * w / (dp if zero >= 3 else 1)
+                 + params * GRAD_BYTES_PER_PARAM / (dp if zero >= 2 else 1)
+                 + params * OPTIMIZER_BYTES_PER_PARAM / (dp if zero >= 1 else 1))
+        if zero >= 3 and dp > 1:
+            total = total + 2 * max_params * w
+        return total
+
+    # -------------------------------------------------------------- comm
+    def affine(self, ranks: tuple[int, ...], kind: str) -> tuple[float, float]:
+        """(alpha, beta) with collective_time(ranks, x, kind) == alpha + beta * x for x > 0
+        (the alpha-beta model is affine in the message size)."""
+        key = (ranks, kind)
+        hit = self._affine.get(key)
+        if hit is None:
+            t1 = collective_time(self.cluster, ranks, 1.0, kind)
+            t2 = collective_time(self.cluster, ranks, 2.0, kind)
+            hit = self._affine[key] = (t1 - (t2 - t1), t2 - t1)
+        return hit
+
+    def dp_affines(self, group: DeviceGroup, kind: str) -> tuple[tuple[float, float], ...]:
+        """The affine costs of a collective over each data-parallel group of ``group``."""
+        key = (group, kind)
+        hit = self._dp_affines.get(key)
+        if hit is None:
+            hit = () if group.dp <= 1 else tuple(self.affine(tuple(r), kind) for r in group.dp_groups())
+            # Identical groups (the usual case) need one evaluation, not tp of them.
+            hit = self._dp_affines[key] = tuple(sorted(set(hit)))
+        return hit
+
+    def dp_collective(self, group: DeviceGroup, nbytes, kind: str):
+        """Slowest data-parallel group's collective time (``nbytes`` may be an array)."""
+        aff = self.dp_affines(group, kind)
+        if not aff:
+            return 0.0 * nbytes
+        out = None
+        for a, b in aff:
+            t = np.where(nbytes > 0, a + b * nbytes, 0.0) if isinstance(nbytes, np.ndarray) else \
+                (a + b * nbytes if nbytes > 0 else 0.0)
+            out = t if out is None else np.maximum(out, t)
+        return out
+
+    def p2p(self, src: DeviceGroup, dst: DeviceGroup, nbytes: float) -> float:
+        """One micro-batch's activation from ``src`` to ``dst`` (the cost model's p2p_time)."""
+        key = (src, dst, nbytes)
+        hit = self._p2p.get(key)
+        if hit is None:
+            hit = self._p2p[key] = p2p_time(self.cluster, src.tp_groups(), dst.tp_groups(), nbytes)
+        return hit
+
+    def optimizer_rate(self, pool: int) -> float:
+        """Seconds of Adam step per parameter on a device of this pool."""
+        hit = self._opt_rate.get(pool)
+        if hit is None:
+            dev = self.cluster.groups[pool].device
+            hit = self._opt_rate[pool] = ADAM_STEP_BYTES_PER_PARAM / (
+                dev.memory_bandwidth * default_efficiency(dev.name).memory)
+        return hit
+
+    def memory_total(self, states, activations, transient):
+        """Per-GPU bytes the cost model reports for these components."""
+        return OVERHEAD + DYNAMIC_FACTOR * (states + activations + transient)
+
+
+__all__ = ["Kind", "LayerTable", "Tables", "RECOMPUTES", "OVERHEAD", "DYNAMIC_FACTOR", "GiB"]

@@ -1,0 +1,149 @@
+"""The simulator and cost terms agree with the closed forms they must reproduce."""
+from __future__ import annotations
+
+import pytest
+
+import autoplan
+from autoplan.units import GB
+from costmodel.comm import collective_time
+from costmodel.memory import (GRAD_BYTES_PER_PARAM, OPTIMIZER_BYTES_PER_PARAM, model_state_bytes)
+from tests.helpers import ideal_cluster, uniform_model
+
+
+def _est(pp, m, schedule="1f1b", v=1, blocks=24, dp=1, tp=1, zero=0, **kw):
+    model = uniform_model(blocks, **kw)
+    cluster = ideal_cluster(pp * dp * tp)
+    plan = autoplan.Plan.uniform(model, cluster, tp=tp, pp=pp, dp=dp, micro_batch=1, global_batch=m * dp,
+                                 schedule=schedule, virtual_stages=v, zero=zero)
+    return autoplan.estimate(model, cluster, plan), plan
+
+
+@pytest.mark.parametrize("pp,m", [(2, 4), (4, 8), (4, 16), (8, 8), (3, 12)], ids=lambda x: str(x))
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+def test_pipeline_bubble_matches_closed_form(pp, m, schedule):
+    est, _ = _est(pp, m, schedule)
+    assert est.bubble_fraction == pytest.approx((pp - 1) / (m + pp - 1), rel=1e-6)
+
+
+@pytest.mark.parametrize("pp,m,v", [(2, 4, 2), (4, 8, 2), (4, 8, 3), (4, 16, 6)], ids=str)
+def test_interleaving_divides_bubble_by_v(pp, m, v):
+    est, _ = _est(pp, m, "interleaved-1f1b", v=v)
+    # Megatron-LM (Narayanan et al. 2021, §2.2): bubble time (p-1)/v of a full-model pass.
+    ideal = (pp - 1) / v / (m + (pp - 1) / v)
+    assert est.bubble_fraction == pytest.approx(ideal, rel=1e-6)
+
+
+@pytest.mark.parametrize("pp,m", [(2, 8), (4, 8), (4, 16)], ids=str)
+def test_zero_bubble_beats_1f1b(pp, m):
+    zb, _ = _est(pp, m, "zero-bubble")
+    ob, _ = _est(pp, m, "1f1b")
+    assert zb.iteration_time_s < ob.iteration_time_s
+    assert zb.bubble_fraction < ob.bubble_fraction
+
+
+@pytest.mark.parametrize("schedule,pp,m,expected_in_flight", [
+    ("1f1b", 4, 8, 4),     # the first stage holds p micro-batches
+    ("1f1b", 4, 2, 2),     # ... or m when there are fewer
+    ("gpipe", 4, 8, 8),    # GPipe holds them all
+    ("zero-bubble", 4, 8, 4),
+], ids=["1f1b", "1f1b-short", "gpipe", "zb-h1"])
+def test_activation_memory_in_flight(schedule, pp, m, expected_in_flight):
+    act = 1e6
+    est, plan = _est(pp, m, schedule, act_bytes=act)
+    blocks_first = plan.stages[0].num_layers
+    assert est.memory_by_group[0].activations == pytest.approx(expected_in_flight * blocks_first * act)
+
+
+@pytest.mark.parametrize("zero,dp", [(0, 4), (1, 4), (2, 4), (3, 4), (3, 8)], ids=lambda x: str(x))
+def test_zero_model_state_bytes(zero, dp):
+    layers = list(uniform_model(4, params=1e9).layers)
+    s = model_state_bytes(layers, tp=1, dp=dp, zero=zero, dtype="bf16")
+    P = 4e9
+    assert s.weights == pytest.approx(2 * P / (dp if zero >= 3 else 1))
+    assert s.gradients == pytest.approx(GRAD_BYTES_PER_PARAM * P / (dp if zero >= 2 else 1))
+    assert s.optimizer == pytest.approx(OPTIMIZER_BYTES_PER_PARAM * P / (dp if zero >= 1 else 1))
+
+
+@pytest.mark.parametrize("n,kind,factor", [(2, "all_reduce", 2), (8, "all_reduce", 2), (8, "all_gather", 1),
+                                           (4, "reduce_scatter", 1)], ids=str)
+def test_ring_collective_alpha_beta(n, kind, factor):
+    cluster = autoplan.Cluster.homogeneous("A100-80GB", 1, 8, intra_node_GBps=100, intra_node_latency_us=0)
+    nbytes = 1e9
+    eff = 0.85
+    expected = factor * (n - 1) / n * nbytes / (100 * GB * eff)
+    assert collective_time(cluster, list(range(n)), nbytes, kind) == pytest.approx(expected, rel=1e-6)
+
+
+def test_group_spanning_nodes_is_bounded_by_network():
+    cluster = autoplan.Cluster.homogeneous("A100-80GB", 2, 8, intra_node_GBps=300, inter_node_GBps=25)
+    inside = collective_time(cluster, list(range(8)), 1e9)
+    across = collective_time(cluster, list(range(16)), 1e9)
+    one_per_node = collective_time(cluster, [0, 8], 1e9)
+    assert inside < across < one_per_node
+
+
+def test_mixed_group_runs_at_slowest_link():
+    c = autoplan.Cluster.load("examples/clusters/small-mixed-v100-t4.json")
+    v100_ranks = list(c.group_ranks(0))
+    t4_ranks = list(c.group_ranks(1))
+    assert collective_time(c, v100_ranks, 1e8) < collective_time(c, t4_ranks, 1e8)
+
+
+def test_estimate_reports_consistent_figures():
+    model = autoplan.models.get("gpt-tiny")
+    cluster = autoplan.Cluster.homogeneous("A100-80GB", 1, 8)
+    plan = autoplan.Plan.uniform(model, cluster, tp=2, pp=2, dp=2, micro_batch=2, global_batch=16)
+    est = autoplan.estimate(model, cluster, plan)
+    assert est.tokens_per_s == pytest.approx(16 * model.seq_len / est.iteration_time_s)
+    assert est.samples_per_s == pytest.approx(16 / est.iteration_time_s)
+    assert 0 < est.mfu < 1
+    assert sum(est.breakdown.values()) == pytest.approx(est.iteration_time_s, rel=1e-6)
+    assert set(est.memory_by_rank) == set(range(8))
+    assert est.fits
+    assert est.sources == {"A100-SXM4-80GB": "roofline"}
+
+
+@pytest.mark.parametrize("mode,slower_than", [("selective", "none"), ("full", "selective")])
+def test_recompute_trades_time_for_memory(mode, slower_than):
+    model = autoplan.models.get("gpt2-small")
+    cluster = autoplan.Cluster.homogeneous("A100-80GB", 1, 1)
+
+    def est(rc):
+        plan = autoplan.Plan.uniform(model, cluster, tp=1, pp=1, dp=1, micro_batch=4, global_batch=8, recompute=rc)
+        return autoplan.estimate(model, cluster, plan)
+    a, b = est(mode), est(slower_than)
+    assert a.iteration_time_s > b.iteration_time_s
+    assert a.peak_memory_bytes < b.peak_memory_bytes
+
+
+def test_sequence_parallel_cuts_activation_memory():
+    model = autoplan.models.get("gpt3-1.3b")
+    cluster = autoplan.Cluster.homogeneous("A100-80GB", 1, 8)
+
+    def est(sp):
+        plan = autoplan.Plan.uniform(model, cluster, tp=8, pp=1, dp=1, micro_batch=2, global_batch=8,
+                                     sequence_parallel=sp)
+        return autoplan.estimate(model, cluster, plan)
+    assert est(True).memory_by_group[0].activations < 0.6 * est(False).memory_by_group[0].activations
+
+
+def test_heterogeneous_stages_estimate_and_slow_device_dominates():
+    c = autoplan.Cluster.load("examples/clusters/small-mixed-v100-t4.json")
+    model = autoplan.models.get("gpt2-medium")
+    plan = autoplan.Plan.uniform(model, c, tp=4, pp=2, dp=1, micro_batch=1, global_batch=8)
+    est = autoplan.estimate(model, c, plan)
+    f_v100, f_t4 = est.stage_costs[0].forward, est.stage_costs[1].forward
+    assert f_t4 > f_v100  # same work, slower device
+    assert set(est.sources) == {"V100-SXM2-16GB", "T4-16GB"}
+    assert est.iteration_time_s > 0 and est.timeline
+
+
+def test_korthikanti_22b_row_within_15_percent():
+    """One published row as a smoke check (the full table is benchmarks/published/validate.py)."""
+    model = autoplan.models.transformer(layers=48, hidden=6144, heads=64, seq_len=2048, vocab=51200,
+                                        attention="math")
+    cluster = autoplan.Cluster.homogeneous("A100-80GB", 1, 8)
+    plan = autoplan.Plan.uniform(model, cluster, tp=8, pp=1, dp=1, micro_batch=4, global_batch=4,
+                                 recompute="selective", sequence_parallel=True)
+    est = autoplan.estimate(model, cluster, plan, overlap_grad_reduce=False)
+    assert est.iteration_time_s == pytest.approx(1.10, rel=0.15)  # Korthikanti et al. 2022, Table 5
