@@ -13,8 +13,8 @@ simulates exactly this program, and the runtime hands the same per-rank lists to
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import cached_property
-from typing import Iterator
+from functools import cached_property, lru_cache
+from typing import Iterator, NamedTuple
 
 from autoplan.errors import ConfigError
 from autoplan.plan import Plan
@@ -22,9 +22,8 @@ from autoplan.plan import Plan
 KINDS = ("F", "B", "I", "W")
 
 
-@dataclass(frozen=True, order=True)
-class Action:
-    """One compute action of one micro-batch on one stage."""
+class Action(NamedTuple):
+    """One compute action of one micro-batch on one stage (a tuple: programs hold many)."""
 
     stage: int
     kind: str
@@ -34,6 +33,8 @@ class Action:
     def __str__(self) -> str:
         # torch.distributed.pipelining's compact action notation, e.g. '2F5'.
         return f"{self.stage}{self.kind}{self.micro_batch}"
+
+    __repr__ = __str__
 
 
 @dataclass(frozen=True)
@@ -69,6 +70,22 @@ class ScheduleProgram:
     def crosses_ranks(self, producer: Action, consumer: Action) -> bool:
         return self.stage_to_rank[producer.stage] != self.stage_to_rank[consumer.stage]
 
+    @cached_property
+    def dependency_table(self) -> tuple[tuple[tuple[tuple[Action, bool], ...], ...], ...]:
+        """For every rank and position, the (dependency, crosses ranks) pairs: computed
+        once per program, since the simulator walks it for every estimate."""
+        return tuple(tuple(tuple((d, self.crosses_ranks(d, a)) for d in self.dependencies(a)) for a in r)
+                     for r in self.ranks)
+
+    def sends(self, action: Action) -> str:
+        """'forward' or 'backward' when the action's result must go to another rank, else ''."""
+        s = action.stage
+        if action.kind == "F" and s < self.num_stages - 1 and self.stage_to_rank[s + 1] != self.stage_to_rank[s]:
+            return "forward"
+        if action.kind in ("B", "I") and s > 0 and self.stage_to_rank[s - 1] != self.stage_to_rank[s]:
+            return "backward"
+        return ""
+
     def to_compute_only(self) -> list[list[str]]:
         """Per-rank action strings, the 'compute_only' form torch.distributed.pipelining's
         ``_PipelineScheduleRuntime`` loads (communication is added by the runtime)."""
@@ -80,10 +97,12 @@ class ScheduleProgram:
     def validate(self) -> None:
         """Every (stage, micro-batch) is computed exactly once per kind, on its own rank."""
         kinds = ("F", "I", "W") if self.split_backward else ("F", "B")
-        expected = {Action(s, k, m) for s in range(self.num_stages) for k in kinds
-                    for m in range(self.num_micro_batches)}
         seen = [a for r in self.ranks for a in r]
-        if len(seen) != len(set(seen)) or set(seen) != expected:
+        expected = self.num_stages * len(kinds) * self.num_micro_batches
+        unique = set(seen)
+        if len(seen) != expected or len(unique) != expected or any(
+                a.kind not in kinds or not 0 <= a.micro_batch < self.num_micro_batches
+                or not 0 <= a.stage < self.num_stages for a in unique):
             raise AssertionError("schedule program does not compute every action exactly once")
         for g, r in enumerate(self.ranks):
             for a in r:
@@ -93,22 +112,28 @@ class ScheduleProgram:
 
 def build_program(plan: Plan) -> ScheduleProgram:
     """Lower a plan's pipeline schedule to per-rank action lists."""
-    p, m, v = plan.pp, plan.num_micro_batches, plan.virtual_stages
-    stage_to_rank = tuple(s.group for s in plan.stages)
-    if plan.schedule == "gpipe":
+    return _build(plan.schedule, plan.pp, plan.num_micro_batches, plan.virtual_stages,
+                  tuple(s.group for s in plan.stages))
+
+
+@lru_cache(maxsize=128)
+def _build(schedule: str, p: int, m: int, v: int, stage_to_rank: tuple[int, ...]) -> ScheduleProgram:
+    # Cached: a search estimates many plans that share one pipeline shape, and the
+    # program (with its dependency table) depends on nothing else.
+    if schedule == "gpipe":
         ranks = [_gpipe(g, p, m) for g in range(p)]
-    elif plan.schedule == "1f1b":
+    elif schedule == "1f1b":
         ranks = [_one_f_one_b(g, p, m) for g in range(p)]
-    elif plan.schedule == "interleaved-1f1b":
+    elif schedule == "interleaved-1f1b":
         if v > 1 and m % p:
             raise ConfigError("num_micro_batches", f"{m} is not a multiple of pp={p}, which the "
                               "interleaved schedule needs", "change the global batch or micro-batch size")
         ranks = [_interleaved(g, p, m, v) for g in range(p)]
-    elif plan.schedule == "zero-bubble":
+    elif schedule == "zero-bubble":
         ranks = _zero_bubble(p, m)
     else:
-        raise ConfigError("schedule", f"unknown schedule {plan.schedule!r}")
-    prog = ScheduleProgram(ranks=tuple(tuple(r) for r in ranks), num_stages=len(plan.stages),
+        raise ConfigError("schedule", f"unknown schedule {schedule!r}")
+    prog = ScheduleProgram(ranks=tuple(tuple(r) for r in ranks), num_stages=len(stage_to_rank),
                            num_micro_batches=m, stage_to_rank=stage_to_rank)
     prog.validate()
     return prog

@@ -32,6 +32,9 @@ class EstimateOptions:
     Megatron-LM before 2023 did not overlap it."""
     profiles: ProfileSource | None = None
     """Measured layer profiles; None = catalog roofline only."""
+    blocking_p2p: bool = True
+    """Pipeline sends hold the sending rank until they complete (Megatron-LM's batched
+    send/recv); False = asynchronous sends that only delay the receiver."""
 
 
 @dataclass
@@ -218,7 +221,8 @@ def estimate(model: ModelSpec, cluster: Cluster, plan: Plan, options: EstimateOp
     sources: dict[str, str] = {}
     costs = stage_costs(model, cluster, plan, options, sources)
     opt = [_optimizer_time(model, cluster, plan, g) for g in range(plan.pp)]
-    sim = simulate(program, costs, [o[0] for o in opt], options.overlap_grad_reduce, [o[1] for o in opt])
+    sim = simulate(program, costs, [o[0] for o in opt], options.overlap_grad_reduce, [o[1] for o in opt],
+                   blocking_p2p=options.blocking_p2p)
 
     # Memory per group.
     memory_by_group, memory_by_rank, device_mem = [], {}, {}

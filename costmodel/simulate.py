@@ -69,9 +69,12 @@ class SimResult:
 
 
 def simulate(program: ScheduleProgram, costs: list[StageCosts], optimizer: list[float],
-             overlap_grad_reduce: bool = True, post_optimizer: list[float] | None = None) -> SimResult:
+             overlap_grad_reduce: bool = True, post_optimizer: list[float] | None = None,
+             blocking_p2p: bool = True) -> SimResult:
     """Run the program. ``optimizer[g]``: optimizer step of rank g; ``post_optimizer[g]``:
-    exposed work after it (ZeRO-1/2 parameter all-gather)."""
+    exposed work after it (ZeRO-1/2 parameter all-gather). With ``blocking_p2p`` a rank
+    waits for its own sends to complete before its next action (Megatron-LM's batched
+    send/recv), otherwise sends are asynchronous and only delay the receiver."""
     P = len(program.ranks)
     finish: dict[Action, float] = {}
     started: dict[Action, float] = {}
@@ -82,51 +85,59 @@ def simulate(program: ScheduleProgram, costs: list[StageCosts], optimizer: list[
     live = [0.0] * P
     peak = [0.0] * P
     events: list[Event] = []
-    split = program.split_backward
+    deps_table = program.dependency_table
     total = sum(len(r) for r in program.ranks)
     done = 0
-
-    def duration(a: Action) -> tuple[float, float]:
-        c = costs[a.stage]
-        if a.kind == "F":
-            return c.forward, c.tp_comm_forward
-        if a.kind == "B":
-            return c.backward, c.tp_comm_backward
-        if a.kind == "I":
-            return c.backward_input, c.tp_comm_backward
-        return c.backward_weight, 0.0
+    # Per-stage lookups, hoisted out of the hot loop.
+    dur = {k: [getattr(c, f) for c in costs] for k, f in
+           (("F", "forward"), ("B", "backward"), ("I", "backward_input"), ("W", "backward_weight"))}
+    comm = {"F": [c.tp_comm_forward for c in costs], "B": [c.tp_comm_backward for c in costs],
+            "I": [c.tp_comm_backward for c in costs], "W": [0.0] * len(costs)}
+    send_f = [c.send_forward for c in costs]
+    send_b = [c.send_backward for c in costs]
+    act_bytes = [c.activation_bytes for c in costs]
+    sends = {a: program.sends(a) for r in program.ranks for a in r} if blocking_p2p else {}
 
     while done < total:
         progressed = False
         for g in range(P):
             actions = program.ranks[g]
+            deps_g = deps_table[g]
             while ptr[g] < len(actions):
-                a = actions[ptr[g]]
+                i = ptr[g]
+                a = actions[i]
                 ready = free[g]
                 blocked = False
-                for d in program.dependencies(a):
+                for d, crosses in deps_g[i]:
                     t = finish.get(d)
                     if t is None:
                         blocked = True
                         break
-                    if program.crosses_ranks(d, a):
-                        t += costs[d.stage].send_forward if a.kind == "F" else costs[d.stage].send_backward
-                    ready = max(ready, t)
+                    if crosses:
+                        t += send_f[d.stage] if a.kind == "F" else send_b[d.stage]
+                    if t > ready:
+                        ready = t
                 if blocked:
                     break
-                dur, comm = duration(a)
-                end = ready + dur
+                s, kind = a.stage, a.kind
+                d_ = dur[kind][s]
+                end = ready + d_
                 started[a], finish[a] = ready, end
                 free[g] = end
-                busy[g] += dur
-                tp_comm[g] += comm
-                if a.kind == "F":
-                    live[g] += costs[a.stage].activation_bytes
-                    peak[g] = max(peak[g], live[g])
-                elif a.kind == "B" or a.kind == "W":
-                    live[g] -= costs[a.stage].activation_bytes
-                events.append(Event(g, a.kind, a.stage, a.micro_batch, ready, end))
-                ptr[g] += 1
+                if blocking_p2p:
+                    direction = sends[a]
+                    if direction:
+                        free[g] += send_f[s] if direction == "forward" else send_b[s]
+                busy[g] += d_
+                tp_comm[g] += comm[kind][s]
+                if kind == "F":
+                    live[g] += act_bytes[s]
+                    if live[g] > peak[g]:
+                        peak[g] = live[g]
+                elif kind == "B" or kind == "W":
+                    live[g] -= act_bytes[s]
+                events.append(Event(g, kind, s, a.micro_batch, ready, end))
+                ptr[g] = i + 1
                 done += 1
                 progressed = True
         if not progressed:

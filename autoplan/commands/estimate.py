@@ -28,7 +28,7 @@ def _profiles(folder):
         from autoplan.profiler import ProfileStore
     except ImportError:
         return None
-    return ProfileStore.load(folder) if folder else ProfileStore.default()
+    return ProfileStore.load(folder) if folder else ProfileStore.shipped()
 
 
 def run(args) -> int:
