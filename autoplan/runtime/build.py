@@ -265,7 +265,7 @@ def data_parallel_choice(dp: int, zero: int, pp: int) -> DataParallelChoice:
                                   f"ZeRO-{zero}: approximated by FSDP2 with reshard_after_forward=False "
                                   "(optimizer states and gradients sharded; parameters stay gathered "
                                   "from forward to backward)")
-    if pp > 1 and False:
+    if pp > 1:
         # FSDP2 with reshard_after_forward=True under pipelining computes silently wrong
         # gradients with the split-backward (zero-bubble) schedules; torchtitan never
         # reshards after forward under PP, and neither do we, for every schedule.

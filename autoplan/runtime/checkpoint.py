@@ -85,9 +85,14 @@ def load_checkpoint(path: str | os.PathLike, model: torch.nn.Module,
     (train_state, dataset_state or None). Collective."""
     path = Path(path)
     model_sd, optim_sd = get_state_dict(model, optimizer)
-    state = {"model": model_sd, "optim": optim_sd}
+    # Only the optimizer's per-parameter state is read back; its hyper-parameters
+    # (param_groups) stay those this run was configured with. That lets a resumed run
+    # change e.g. the learning rate, and sidesteps DCP not round-tripping tuple-valued
+    # entries such as AdamW's betas (they come back missing).
+    state = {"model": model_sd, "optim": {"state": optim_sd["state"]}}
     dcp.load(state, checkpoint_id=str(path))
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    set_state_dict(model, optimizer, model_state_dict=state["model"],
+                   optim_state_dict={"state": state["optim"]["state"], "param_groups": optim_sd["param_groups"]})
     train_state = json.loads((path / "train_state.json").read_text())
     rank_rng = path / f"rng_rank{dist.get_rank()}.pt"
     if train_state.get("world_size") == dist.get_world_size() and rank_rng.is_file():

@@ -8,14 +8,14 @@ from __future__ import annotations
 
 import json
 import statistics
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 from autoplan.errors import ConfigError
 from autoplan.fields import FieldReader
 from autoplan.plan import Plan
-from autoplan.units import GiB
+from autoplan.units import GiB, MiB
 
 RECORD_SCHEMA_VERSION = 1
 RECORD_KIND = "autoplan-run"
@@ -39,6 +39,8 @@ class StepRecord:
     """Global-batch tokens over step_time_s."""
     grad_norm: float
     """Global gradient 2-norm before clipping."""
+    peak_memory_bytes_by_rank: tuple[int, ...] = ()
+    """Each rank's peak memory so far, by rank (same measure as RankMemory.peak_memory_bytes)."""
 
 
 @dataclass(frozen=True)
@@ -75,7 +77,9 @@ class RunRecord:
     memory: tuple[RankMemory, ...]
     """Per-rank memory, by rank."""
     schema_version: int = RECORD_SCHEMA_VERSION
+    """Version of this file format."""
     kind: str = RECORD_KIND
+    """Always 'autoplan-run' (tells a run record from a plan or an estimate)."""
 
     # ---------------------------------------------------------------- summary
     @property
@@ -100,6 +104,9 @@ class RunRecord:
         return [s.loss for s in self.steps]
 
     def summary(self) -> dict:
+        if not self.steps:   # a resumed run that found its target already reached
+            return {"step_time_s": None, "tokens_per_s": None, "peak_memory_bytes": self.peak_memory_bytes,
+                    "final_loss": None, "steps_measured": 0}
         return {"step_time_s": self.step_time_s, "tokens_per_s": self.tokens_per_s,
                 "peak_memory_bytes": self.peak_memory_bytes,
                 "final_loss": self.steps[-1].loss if self.steps else None,
@@ -135,10 +142,14 @@ class RunRecord:
         plan = Plan.from_dict(r.raw("plan"), where=r.path("plan"))
         steps = []
         for s in r.items("steps"):
+            mem = s.list("peak_memory_bytes_by_rank", [])
+            if not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in mem):
+                raise ConfigError(s.path("peak_memory_bytes_by_rank"), "must be a list of byte counts (integers >= 0)")
             steps.append(StepRecord(step=s.int("step", minimum=1), loss=s.float("loss"),
                                     step_time_s=s.float("step_time_s", positive=True),
                                     tokens_per_s=s.float("tokens_per_s", positive=True),
-                                    grad_norm=s.float("grad_norm", minimum=0.0)))
+                                    grad_norm=s.float("grad_norm", minimum=0.0),
+                                    peak_memory_bytes_by_rank=tuple(mem)))
         memory = []
         for m in r.items("memory"):
             memory.append(RankMemory(rank=m.int("rank", minimum=0),
@@ -210,21 +221,18 @@ def compare_with_estimate(record: RunRecord, estimate: Any) -> str:
              _ratio(record.tokens_per_s, pred_tps)]]
     for m in record.memory:
         pred = by_rank.get(m.rank, peak_bytes)
-        rows.append([f"peak memory rank {m.rank} (GiB)", fmt(None if pred is None else pred / GiB, ".3f"),
-                     f"{m.peak_memory_bytes / GiB:.3f}", _ratio(m.peak_memory_bytes, pred)])
+        rows.append([f"peak memory rank {m.rank} (MiB)", fmt(None if pred is None else pred / MiB, ",.1f"),
+                     f"{m.peak_memory_bytes / MiB:,.1f}", _ratio(m.peak_memory_bytes, pred)])
     lines = [table(rows, ["", "predicted", "measured", "measured/predicted"])]
     env = record.environment
-    lines.append(f"measured: {env.get('world_size')} x {', '.join(sorted(set(env.get('device_names', [])))) or '?'} "
-                 f"({env.get('backend')}), {len(record.steps)} steps, first step left out of the median"
-                 if len(record.steps) > 1 else
-                 f"measured: {env.get('world_size')} ranks ({env.get('backend')}), 1 step")
+    devices = ", ".join(sorted(set(env.get("device_names", [])))) or "?"
+    median = "median of steps 2.., the first is left out" if len(record.steps) > 1 else "one step"
+    lines.append(f"measured: {env.get('world_size')} ranks on {devices} ({env.get('backend')}), "
+                 f"{len(record.steps)} steps ({median})")
     if record.memory and record.memory[0].memory_source != MEMORY_SOURCE_CUDA:
-        lines.append(f"note: measured memory is {record.memory[0].memory_source}; it is not comparable "
-                     "with a GPU prediction")
+        lines.append(f"note: measured memory is {record.memory[0].memory_source}")
     est_plan = _get(estimate, "plan")
     if isinstance(est_plan, Plan) and est_plan.to_dict() != record.plan.to_dict():
         lines.append("warning: the estimate was made for a different plan than the one measured "
                      f"(estimate: {est_plan.describe()}; measured: {record.plan.describe()})")
-    if env.get("device_type") == "cpu":
-        lines.append("note: the run was on CPUs; step times are not comparable with a GPU prediction")
     return "\n".join(lines)

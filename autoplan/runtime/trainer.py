@@ -20,7 +20,7 @@ import resource
 import sys
 import time
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
@@ -33,7 +33,6 @@ from autoplan.models.config import SwinConfig, TransformerConfig
 from autoplan.models.zoo import loss_fn as zoo_loss_fn
 from autoplan.plan import Plan
 from autoplan.runtime import build as B
-from autoplan.runtime.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from autoplan.runtime.data import DataSource, replica_slice
 from autoplan.runtime.executor import LocalExecutor, PipelineExecutor
 from autoplan.runtime.layout import build_mesh, check_plan_supported, rank_layout
@@ -179,9 +178,12 @@ class Trainer:
         self.log = log if dist.get_rank() == 0 and log is not None else (lambda s: None)
         seq = self.options.seq_len or plan.seq_len
         self.cfg = resolve_model_config(model, seq)
+        if plan.model and plan.model != self.cfg.name:
+            self.log(f"note: the plan was made for {plan.model!r}; running {self.cfg.name!r}")
         self.device = torch.device(device) if device is not None else default_device()
         meta = B.meta_model(self.cfg)
         self.num_units = len(meta.layers)
+        self.num_params = sum(p.numel() for p in meta.parameters())   # a tied table counts once
         unit_types = {type(u) for u in meta.layers}
         del meta
         check_plan_supported(plan, self.num_units,
@@ -218,8 +220,7 @@ class Trainer:
             module = B.StageModule(mine, autocast_dtype=autocast, device_type=self.device.type)
             B.apply_data_parallel(module, dp_mesh, self.dp_choice, mp_policy)
             self.stage_modules[s] = module
-        self.model = B.RankModel({u: m for sm in self.stage_modules.values()
-                                  for u, m in zip(map(int, sm.layers.keys()), sm.layers.values())})
+        self.model = B.RankModel({int(u): m for sm in self.stage_modules.values() for u, m in sm.layers.items()})
         self.params = dict(self.model.named_parameters())
         self._setup_tied()
         self.optimizer = self._make_optimizer()
@@ -364,18 +365,21 @@ class Trainer:
         norm = self.optimizer_step()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        elapsed = torch.tensor([time.perf_counter() - t0], dtype=torch.float64, device=self.device)
-        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+        elapsed = time.perf_counter() - t0
         lay = self.layout
-        contrib = 0.0
-        if losses and lay.tp_rank == 0:
-            contrib = sum(losses) / len(losses) / lay.dp
-        loss = torch.tensor([contrib], dtype=torch.float64, device=self.device)
-        dist.all_reduce(loss)
+        # The last pipeline rank holds the losses; tp ranks hold copies, dp replicas parts.
+        contrib = sum(losses) / len(losses) / lay.dp if losses and lay.tp_rank == 0 else 0.0
+        # One all-gather carries every rank's (time, loss share, peak memory).
+        mine = torch.tensor([elapsed, contrib, float(self._peak_memory()[0])], dtype=torch.float64,
+                            device=self.device)
+        everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+        dist.all_gather(everyone, mine)
+        table = torch.stack(everyone).cpu()
         self.step += 1
-        t = float(elapsed)
-        return StepRecord(step=self.step, loss=float(loss), step_time_s=t,
-                          tokens_per_s=self.tokens_per_step / t, grad_norm=norm)
+        t = float(table[:, 0].max())   # the step is as slow as its slowest rank
+        return StepRecord(step=self.step, loss=float(table[:, 1].sum()), step_time_s=t,
+                          tokens_per_s=self.tokens_per_step / t, grad_norm=norm,
+                          peak_memory_bytes_by_rank=tuple(int(m) for m in table[:, 2]))
 
     # ---------------------------------------------------------- introspection
     def gradients(self) -> dict[str, torch.Tensor]:
@@ -389,7 +393,7 @@ class Trainer:
         return {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().cpu().clone()
                 for n, p in self.params.items()}
 
-    def memory(self) -> RankMemory:
+    def _model_state_bytes(self) -> int:
         state = 0
         for p in self.model.parameters():
             state += _local(p).nbytes
@@ -399,17 +403,27 @@ class Trainer:
             for v in st.values():
                 if isinstance(v, torch.Tensor):
                     state += _local(v).nbytes
+        return state
+
+    def _peak_memory(self) -> tuple[int, str]:
+        """(peak bytes so far, what they measure): CUDA's allocator peak on GPU; on CPU,
+        where there is no allocator peak, the model-state tensor bytes."""
+        if self.device.type == "cuda":
+            return torch.cuda.max_memory_allocated(self.device), MEMORY_SOURCE_CUDA
+        return self._model_state_bytes(), MEMORY_SOURCE_CPU
+
+    def memory(self) -> RankMemory:
         rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         rss_bytes = rss if sys.platform == "darwin" else rss * 1024  # Linux reports KiB
-        if self.device.type == "cuda":
-            peak, source = torch.cuda.max_memory_allocated(self.device), MEMORY_SOURCE_CUDA
-        else:
-            peak, source = state, MEMORY_SOURCE_CPU
+        peak, source = self._peak_memory()
         return RankMemory(rank=dist.get_rank(), peak_memory_bytes=int(peak), memory_source=source,
-                          model_state_bytes=int(state), max_rss_bytes=int(rss_bytes))
+                          model_state_bytes=int(self._model_state_bytes()), max_rss_bytes=int(rss_bytes))
 
     # ------------------------------------------------------------ checkpoints
+    # torch.distributed.checkpoint is imported only when a run checkpoints: it adds about
+    # a second of start-up to every process.
     def save(self, directory: str | os.PathLike) -> Path:
+        from autoplan.runtime.checkpoint import save_checkpoint
         train_state = {"seed": self.options.seed, "world_size": dist.get_world_size(),
                        "plan": self.plan.to_dict(), "data": {k: v for k, v in self.data.state_dict().items()
                                                              if k != "dataset"}}
@@ -418,6 +432,7 @@ class Trainer:
 
     def load(self, path: str | os.PathLike) -> int:
         """Load a checkpoint (any plan's); returns the step it was taken after."""
+        from autoplan.runtime.checkpoint import load_checkpoint
         train_state, dataset_state = load_checkpoint(path, self.model, self.optimizer)
         data_state = dict(train_state.get("data", {"position": train_state["step"]}))
         if dataset_state is not None:
@@ -431,6 +446,7 @@ class Trainer:
         o = self.options
         if not (o.checkpoint_dir and o.resume):
             return None
+        from autoplan.runtime.checkpoint import latest_checkpoint
         found = latest_checkpoint(o.checkpoint_dir)
         if found is None:
             return None
@@ -452,8 +468,11 @@ class Trainer:
             rec = self.train_step()
             records.append(rec)
             if o.log_every and (rec.step % o.log_every == 0 or rec.step == o.steps):
+                mem = rec.peak_memory_bytes_by_rank
+                top = max(range(len(mem)), key=mem.__getitem__)
                 self.log(f"step {rec.step:>5}  loss {rec.loss:.4f}  grad_norm {rec.grad_norm:.3f}  "
-                         f"{rec.step_time_s * 1e3:.1f} ms  {rec.tokens_per_s:,.0f} tokens/s")
+                         f"{rec.step_time_s * 1e3:.1f} ms  {rec.tokens_per_s:,.0f} tokens/s  "
+                         f"peak mem {mem[top] / 2**20:,.1f} MiB (rank {top}{'' if self.device.type == 'cuda' else ', model state'})")
             if o.checkpoint_dir and ((o.checkpoint_every and rec.step % o.checkpoint_every == 0)
                                      or rec.step == o.steps):
                 self.save(o.checkpoint_dir)
@@ -484,7 +503,7 @@ class Trainer:
                "backend": dist.get_backend(), "device_type": self.device.type,
                "device_names": [g[1] for g in gathered], "world_size": dist.get_world_size(),
                "num_nodes": int(os.environ.get("GROUP_WORLD_SIZE", os.environ.get("NNODES", "1")) or 1)}
-        model = {"name": self.cfg.name, "num_units": self.num_units,
+        model = {"name": self.cfg.name, "num_units": self.num_units, "num_params": self.num_params,
                  "config": {k: v for k, v in dataclasses.asdict(self.cfg).items()}}
         return RunRecord(plan=self.plan, model=model, environment=env, run=run, steps=tuple(steps),
                          memory=tuple(sorted((g[0] for g in gathered), key=lambda m: m.rank)))
