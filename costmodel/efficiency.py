@@ -18,6 +18,7 @@ Sources of the defaults:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 
 @dataclass(frozen=True)
@@ -55,6 +56,7 @@ _BY_FAMILY = {
 }
 
 
+@lru_cache(maxsize=1024)   # pure in the name; the collectives ask once per rank per call
 def default_efficiency(device_name: str) -> Efficiency:
     """The defaults for a device family, matched on the catalog name's prefix."""
     upper = device_name.upper()

@@ -14,8 +14,8 @@ from autoplan.units import DTYPE_BYTES, GiB
 from costmodel.comm import collective_time, p2p_time
 from costmodel.compute import ProfileSource, layer_timing
 from costmodel.efficiency import default_efficiency
-from costmodel.memory import (FRAGMENTATION, FRAMEWORK_OVERHEAD_BYTES, GRAD_BYTES_PER_PARAM,
-                              activation_bytes, model_state_bytes, transient_bytes)
+from costmodel.memory import (FRAGMENTATION, GRAD_BYTES_PER_PARAM, activation_bytes,
+                              framework_overhead_bytes, model_state_bytes, transient_bytes)
 from costmodel.simulate import Event, StageCosts, simulate
 
 ADAM_STEP_BYTES_PER_PARAM = 30.0
@@ -237,7 +237,8 @@ def estimate(model: ModelSpec, cluster: Cluster, plan: Plan, options: EstimateOp
         mem = GroupMemory(weights=states.weights + states.zero3_working, gradients=states.gradients,
                           optimizer=states.optimizer, activations=sim.peak_activation_bytes[g],
                           transient=transient,
-                          overhead=FRAMEWORK_OVERHEAD_BYTES + FRAGMENTATION * (dynamic + states.total))
+                          overhead=max(framework_overhead_bytes(d.name) for d in _group_devices(cluster, group.ranks))
+                          + FRAGMENTATION * (dynamic + states.total))
         memory_by_group.append(mem)
         for r in group.ranks:
             memory_by_rank[r] = mem.total

@@ -21,6 +21,12 @@ GRAD_BYTES_PER_PARAM = 4.0
 """fp32 gradient accumulation buffer."""
 FRAMEWORK_OVERHEAD_BYTES = 1.0 * GiB
 """CUDA context, cuBLAS/NCCL workspaces and communication buffers per GPU."""
+
+
+def framework_overhead_bytes(device_name: str) -> float:
+    """Fixed per-device memory outside the model: the CUDA/ROCm context and collective
+    buffers on accelerators; none is counted on a CPU 'device'."""
+    return 0.0 if device_name.upper().startswith("CPU") else FRAMEWORK_OVERHEAD_BYTES
 FRAGMENTATION = 0.05
 """Share of dynamic memory lost to caching-allocator fragmentation."""
 
