@@ -87,7 +87,6 @@ def register(sub) -> None:
 
 
 def _show(path: str) -> int:
-    from autoplan.catalog import get_device
     from autoplan.profiler import ProfileStore
     store = ProfileStore.load(path)
     print(store.summary())

@@ -4,15 +4,29 @@
     store = autoplan.profiler.ProfileStore.load("profiles")
     est = autoplan.estimate(model, cluster, plan, profiles=store)
 
-See docs/profiler.md.
+See docs/profiler.md. Names are imported on first use: the link benchmark's ranks
+import this package and should not pay for the fitting and planning machinery.
 """
-from autoplan.profiler.environment import Environment
-from autoplan.profiler.fit import AlphaBeta, EfficiencyFit, fit_alpha_beta, fit_efficiency
-from autoplan.profiler.links import LinkSettings, benchmark_links
-from autoplan.profiler.runner import ProfileResult, plan_tasks, profile
-from autoplan.profiler.shapes import ShapeKey, shape_key, shard_config
-from autoplan.profiler.store import ProfileFile, ProfileStore
+from __future__ import annotations
 
-__all__ = ["profile", "ProfileResult", "ProfileStore", "ProfileFile", "Environment", "ShapeKey", "shape_key",
-           "shard_config", "plan_tasks", "fit_efficiency", "EfficiencyFit", "fit_alpha_beta", "AlphaBeta",
-           "LinkSettings", "benchmark_links"]
+import importlib
+
+_EXPORTS = {
+    "profile": "runner", "ProfileResult": "runner", "plan_tasks": "runner",
+    "ProfileStore": "store", "ProfileFile": "store",
+    "Environment": "environment",
+    "ShapeKey": "shapes", "shape_key": "shapes", "shard_config": "shapes",
+    "fit_efficiency": "fit", "EfficiencyFit": "fit", "fit_alpha_beta": "fit", "AlphaBeta": "fit",
+    "LinkSettings": "links", "benchmark_links": "links",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'autoplan.profiler' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"autoplan.profiler.{module}"), name)
+    globals()[name] = value
+    return value

@@ -34,6 +34,7 @@ class Environment:
     cuda_version: str = ""
     """CUDA runtime torch was built with ('' on CPU builds)."""
     python_version: str = ""
+    """Python of the measuring process."""
     platform: str = ""
     """OS and architecture."""
     command: str = ""

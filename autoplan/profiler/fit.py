@@ -2,6 +2,7 @@
 models from measured collectives.
 
 Efficiencies. The roofline of :func:`costmodel.compute.roofline_timing` is, per pass,
+nearly
 
     t = G / matmul + A / attention + M / memory + K * launch_s
 
@@ -17,7 +18,8 @@ attention operator times are taken from it; the rest is the unprofiled time less
 Rows are divided by the measured time (every layer counts equally, small or large);
 a weak prior row per unknown pulls an efficiency that the data cannot see (e.g.
 attention on a model without fused attention) to its catalog default. Non-negative
-least squares keeps every reciprocal >= 0.
+least squares keeps every reciprocal >= 0. That linear solution then starts a
+non-linear least-squares fit of ``roofline_timing`` itself (see :func:`fit_efficiency`).
 """
 from __future__ import annotations
 
@@ -45,15 +47,22 @@ class MeasuredLayer:
     """One profile entry as the fit sees it."""
 
     spec: LayerSpec
+    """The planner's spec of the unit (full width; ``tp`` picks the shard)."""
     tp: int
+    """Tensor-parallel degree whose shard was measured."""
     micro_batch: int
+    """Samples per micro-batch."""
     dtype: str
+    """Compute dtype of the measurement."""
     forward_s: float
+    """Measured forward seconds."""
     backward_s: float
+    """Measured backward seconds."""
     ops_forward: dict = field(default_factory=dict, hash=False)
     """Milliseconds of the forward's operators by category ('gemm_ms', 'attention_ms', ...),
     from the per-operator profile; empty when not recorded."""
     ops_backward: dict = field(default_factory=dict, hash=False)
+    """The same for the backward."""
 
 
 @dataclass(frozen=True)
@@ -61,7 +70,9 @@ class EfficiencyFit:
     """A fitted :class:`Efficiency` and how well it explains the measurements."""
 
     device: str
+    """Catalog name of the profiled device."""
     efficiency: Efficiency
+    """The fitted efficiencies (tile and k_half stay the family defaults)."""
     layers: int
     """Measured entries used."""
     rows: int
@@ -71,6 +82,7 @@ class EfficiencyFit:
     error_fitted: float
     """The same with the fitted efficiencies."""
     warnings: tuple[str, ...] = ()
+    """What looks off, e.g. an efficiency above 1 (a catalog peak below what was measured)."""
 
     def describe(self) -> str:
         e = self.efficiency
@@ -112,35 +124,27 @@ def _rows(terms: np.ndarray, total: float, ops: dict) -> list[tuple[np.ndarray, 
     return [(terms / total, 1.0)]
 
 
-def _predict(x: np.ndarray, terms: np.ndarray) -> float:
-    return float(terms @ x)
-
-
 def _as_x(eff: Efficiency) -> np.ndarray:
     return np.array([1 / eff.matmul, 1 / eff.attention_fwd, 1 / eff.attention_bwd, 1 / eff.memory, eff.launch_s])
 
 
-def fit_efficiency(device: DeviceSpec, measured: list[MeasuredLayer]) -> EfficiencyFit | None:
-    """Fit the roofline efficiencies of ``device`` to its measured layers (None if none)."""
-    if not measured:
-        return None
-    base = default_efficiency(device.name)
+def _linear_start(device: DeviceSpec, base: Efficiency, measured: list[MeasuredLayer]) -> np.ndarray:
+    """Reciprocal efficiencies (and launch seconds) from the linear model, by non-negative
+    least squares: the starting point of the exact fit."""
     x0 = _as_x(base)
-    rows, targets, totals = [], [], []
+    rows, targets = [], []
     for m in measured:
         f, b = _terms(device, base, m)
-        totals.append((f + b, m.forward_s + m.backward_s))
-        for terms, t, shares in ((f, m.forward_s, m.ops_forward), (b, m.backward_s, m.ops_backward)):
-            for row, target in _rows(terms, t, shares):
+        for terms, t, ops in ((f, m.forward_s, m.ops_forward), (b, m.backward_s, m.ops_backward)):
+            for row, target in _rows(terms, t, ops):
                 rows.append(row)
                 targets.append(target)
     if not rows:
-        return None
-    A = np.vstack(rows)
+        return x0
     # Columns differ by orders of magnitude (seconds per kernel vs reciprocal
     # efficiencies): solve in units where the default is 1.
     col = np.where(x0 > 0, x0, 1.0)
-    A = A * col
+    A = np.vstack(rows) * col
     prior_rows = []
     for j in range(len(UNKNOWNS)):
         # The prior counts PRIOR_WEIGHT^2 of the information the data hold on this
@@ -152,27 +156,92 @@ def fit_efficiency(device: DeviceSpec, measured: list[MeasuredLayer]) -> Efficie
     A = np.vstack([A, *prior_rows])
     y = np.concatenate([np.array(targets), [r.max() for r in prior_rows]])
     z, _res = nnls(A, y)
-    x = z * col
-    warnings = []
-    values = {}
-    for j, name in enumerate(UNKNOWNS):
-        if name == "launch_s":
-            values[name] = float(min(max(x[j], 0.0), 1.0))
-            continue
-        eff = 1.0 / x[j] if x[j] > 0 else 1e3
-        eff = float(min(max(eff, 1e-6), 1e3))
-        if eff > 1.0:
-            warnings.append(f"{name} efficiency {eff:.2f} exceeds 1: the catalog's peak for "
-                            f"{device.name} is below what was measured")
-        values[name] = eff
-    fitted = dataclasses.replace(base, **values)
-    xf = _as_x(fitted)
+    return z * col
 
-    def err(xv):
-        rel = [abs(_predict(xv, terms) / t - 1) for terms, t in totals if t > 0]
-        return float(np.median(rel)) if rel else float("nan")
-    return EfficiencyFit(device=device.name, efficiency=fitted, layers=len(measured), rows=len(targets),
-                         error_default=err(x0), error_fitted=err(xf), warnings=tuple(warnings))
+
+def _efficiency_of(base: Efficiency, logs: np.ndarray) -> Efficiency:
+    return dataclasses.replace(base, **{name: float(math.exp(v)) for name, v in zip(UNKNOWNS, logs)})
+
+
+def fit_efficiency(device: DeviceSpec, measured: list[MeasuredLayer]) -> EfficiencyFit | None:
+    """Fit the roofline efficiencies of ``device`` to its measured layers (None if none;
+    the catalog defaults, with a warning, if the fit explains them no better).
+
+    The linear model above gives the start; the answer minimises, over the logarithms
+    of the efficiencies, the relative error of ``roofline_timing`` itself against every
+    measured pass (and of its GEMM and attention parts against the per-operator
+    profile), so effects the linear form ignores (a GEMM is the slower of its compute
+    and its memory traffic) are fitted too."""
+    from scipy.optimize import least_squares
+
+    if not measured:
+        return None
+    base = default_efficiency(device.name)
+    x_lin = _linear_start(device, base, measured)
+    defaults = np.array([math.log(getattr(base, n)) for n in UNKNOWNS])
+    start = []
+    for j, name in enumerate(UNKNOWNS):
+        v = x_lin[j]
+        value = v if name == "launch_s" else (1.0 / v if v > 0 else 0.0)
+        start.append(math.log(min(max(value, 1e-9 if name == "launch_s" else 1e-4), 1e3)) if value > 0
+                     else defaults[j])
+    big = {"matmul": _BIG, "attention_fwd": _BIG, "attention_bwd": _BIG, "memory": _BIG, "launch_s": 0.0}
+    has_ops = any(m.ops_forward or m.ops_backward for m in measured)
+
+    def residuals(logs: np.ndarray) -> np.ndarray:
+        eff = _efficiency_of(base, logs)
+        out = []
+        only_mm = dataclasses.replace(eff, **{**big, "matmul": eff.matmul})
+        only_att = dataclasses.replace(eff, **{**big, "attention_fwd": eff.attention_fwd,
+                                               "attention_bwd": eff.attention_bwd})
+        for m in measured:
+            t = roofline_timing(device, eff, m.spec, m.micro_batch, m.tp, False, m.dtype)
+            out += [t.forward / m.forward_s - 1, t.backward / m.backward_s - 1]
+            if has_ops:
+                mm = roofline_timing(device, only_mm, m.spec, m.micro_batch, m.tp, False, m.dtype)
+                at = roofline_timing(device, only_att, m.spec, m.micro_batch, m.tp, False, m.dtype)
+                for part, ops, total, key in ((mm.forward, m.ops_forward, m.forward_s, "gemm_ms"),
+                                              (mm.backward, m.ops_backward, m.backward_s, "gemm_ms"),
+                                              (at.forward, m.ops_forward, m.forward_s, "attention_ms"),
+                                              (at.backward, m.ops_backward, m.backward_s, "attention_ms")):
+                    if key in ops:
+                        out.append((part - ops[key] / 1e3) / total)
+        out += list(PRIOR_WEIGHT * 0.2 * (logs - defaults))
+        return np.array(out)
+
+    # soft_l1: a few layers the roofline cannot describe (a CPU's tiny, overhead-bound
+    # kernels next to large compute-bound ones) must not drag every efficiency with them.
+    sol = least_squares(residuals, np.array(start), method="trf", loss="soft_l1", f_scale=0.1, max_nfev=200)
+    fitted = _efficiency_of(base, sol.x)
+    warnings = []
+    for name in UNKNOWNS[:-1]:
+        if getattr(fitted, name) > 1.0:
+            warnings.append(f"{name} efficiency {getattr(fitted, name):.2f} exceeds 1: the catalog's peak "
+                            f"for {device.name} is below what was measured")
+
+    def err(eff: Efficiency) -> float:
+        rel = []
+        for m in measured:
+            t = roofline_timing(device, eff, m.spec, m.micro_batch, m.tp, False, m.dtype)
+            rel.append(abs((t.forward + t.backward) / (m.forward_s + m.backward_s) - 1))
+        return float(np.median(rel))
+    rows = len(residuals(sol.x))
+    e_default, e_fitted = err(base), err(fitted)
+    if e_fitted > e_default:
+        # A fit that explains the measurements worse than the catalog is no calibration.
+        warnings.append(f"the fit ({e_fitted:.0%} median error) does no better than the catalog defaults "
+                        f"({e_default:.0%}); keeping the defaults")
+        fitted, e_fitted = base, e_default
+    return EfficiencyFit(device=device.name, efficiency=fitted, layers=len(measured), rows=rows,
+                         error_default=e_default, error_fitted=e_fitted, warnings=tuple(warnings))
+
+
+def calibrates(profiled: DeviceSpec, target: DeviceSpec) -> bool:
+    """Whether a profile of ``profiled`` says anything about ``target``: same vendor (named)
+    and same class (CPU or GPU)."""
+    def cls(d: DeviceSpec) -> tuple[str, bool]:
+        return d.vendor.lower(), d.name.upper().startswith("CPU")
+    return bool(profiled.vendor) and cls(profiled) == cls(target)
 
 
 def transfer_efficiency(target: DeviceSpec, fits: list[tuple[DeviceSpec, EfficiencyFit]]) -> Efficiency | None:
@@ -183,10 +252,7 @@ def transfer_efficiency(target: DeviceSpec, fits: list[tuple[DeviceSpec, Efficie
     of one vendor and one class (GPU or CPU) share. So the target's own defaults are
     scaled by the geometric mean, over profiled devices of the same vendor and class,
     of fitted / default. Across vendors or between CPU and GPU nothing transfers."""
-    def cls(d: DeviceSpec) -> tuple[str, bool]:
-        return d.vendor.lower(), d.name.upper().startswith("CPU")
-
-    peers = [(d, f) for d, f in fits if d.vendor and cls(d) == cls(target)]
+    peers = [(d, f) for d, f in fits if calibrates(d, target)]
     if not peers:
         return None
     base = default_efficiency(target.name)
@@ -216,6 +282,7 @@ class AlphaBeta:
     rms_rel_error: float
     """Root-mean-square relative error of the fit over its samples."""
     samples: int
+    """Measurements fitted."""
 
     def to_dict(self) -> dict:
         return {"latency_us": self.latency_s * 1e6, "bandwidth_GBps": self.bandwidth / 1e9,

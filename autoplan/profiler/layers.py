@@ -24,7 +24,8 @@ from torch.utils.checkpoint import checkpoint
 from autoplan.models.config import TransformerConfig
 from autoplan.models.spec import LayerSpec
 from autoplan.profiler.shapes import ShapeKey, shard_config
-from autoplan.profiler.timing import STATISTICS, Clock, RepeatPolicy, SavedBytes, profile_pass, spread
+from autoplan.profiler.timing import (STATISTICS, CacheFlush, Clock, RepeatPolicy, SavedBytes, flush_bytes,
+                                      profile_pass, spread)
 
 TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 RECOMPUTE_MODES = ("none", "selective", "full")
@@ -43,13 +44,17 @@ class LayerTask:
     unit: int
     """Index into the one-block model's units (0 embedding, 1 block, 2 head)."""
     kind: str
+    """'embedding', 'block' or 'head'."""
     tp: int
     """Tensor-parallel degree whose per-rank shard is measured."""
     micro_batch: int
+    """Samples per micro-batch."""
     seq_len: int
+    """Tokens per sample."""
     spec: LayerSpec = field(compare=False)
     """The planner's full-width spec of this unit (what lookups will present)."""
     key: ShapeKey = field(compare=False)
+    """Shape key of ``spec``: with tp and micro_batch, what identifies the entry."""
     need_bytes: float = field(default=0.0, compare=False)
     """Estimated device memory while measuring (one shard, its gradients, activations)."""
     weight: float = field(default=1.0, compare=False)
@@ -65,11 +70,18 @@ class LayerTask:
 
 @dataclass
 class _Unit:
+    """One materialised unit and its inputs."""
+
     module: torch.nn.Module
+    """The unit at shard shapes, on the device, in the compute dtype."""
     inputs: torch.Tensor
+    """Token ids (embedding) or hidden states requiring grad."""
     targets: torch.Tensor | None
+    """Target ids for the head's loss."""
     float_input: bool
+    """The input can have a gradient (not token ids)."""
     is_head: bool
+    """The unit ends in the loss."""
 
     def forward(self) -> torch.Tensor:
         out = self.module(self.inputs)
@@ -141,6 +153,9 @@ def measure_layer(task: LayerTask, device: str, dtype: str, policy: RepeatPolicy
     clock = Clock(device, policy.clock)
     u = _build_unit(task, device, dtype)
     params = list(u.module.parameters())
+    working_set = (sum(p.numel() * p.element_size() for p in params)
+                   + task.micro_batch * task.spec.activation_bytes["none"].at(task.tp))
+    flush = CacheFlush(device, flush_bytes(device, working_set) if policy.flush else 0)
 
     # Gradient of the output: fixed, so every backward does the same work.
     with torch.no_grad():
@@ -155,11 +170,15 @@ def measure_layer(task: LayerTask, device: str, dtype: str, policy: RepeatPolicy
         torch.autograd.grad(out, [u.inputs], grad_out)
 
     def step() -> dict[str, float]:
+        flush()
         t_f, out = clock.time(u.forward)
+        flush()
         t_b, _ = clock.time(lambda: backward(out))
         times = {"forward": t_f, "backward": t_b}
         if u.float_input:
+            flush()
             t_f2, out2 = clock.time(u.forward)
+            flush()
             t_bi, _ = clock.time(lambda: backward_input(out2))
             times.update(forward2=t_f2, backward_input=t_bi)
         return times
@@ -169,7 +188,7 @@ def measure_layer(task: LayerTask, device: str, dtype: str, policy: RepeatPolicy
     # Attention core alone: the extra backward work of selective recomputation.
     core = _attention_core(u.module)
     if core is not None:
-        samples["recompute_core"] = _time_core(u, core, clock, policy)
+        samples["recompute_core"] = _time_core(u, core, clock, policy, flush)
     stats = {}
     for name, fn in STATISTICS.items():
         st = {f"{k}_ms": fn(v) * 1e3 for k, v in samples.items()}
@@ -188,7 +207,7 @@ def measure_layer(task: LayerTask, device: str, dtype: str, policy: RepeatPolicy
             continue
         if mode == "selective" and core is None:
             continue
-        modes[mode] = _measure_recompute(u, params, core, mode, clock, policy, grad_out)
+        modes[mode] = _measure_recompute(u, params, core, mode, clock, policy, grad_out, flush)
     if modes:
         entry["recompute"] = modes
     for p in params:
@@ -196,7 +215,7 @@ def measure_layer(task: LayerTask, device: str, dtype: str, policy: RepeatPolicy
     return entry
 
 
-def _time_core(u: _Unit, core: torch.nn.Module, clock: Clock, policy: RepeatPolicy) -> list[float]:
+def _time_core(u: _Unit, core: torch.nn.Module, clock: Clock, policy: RepeatPolicy, flush) -> list[float]:
     captured = {}
 
     def grab(_m, args):
@@ -209,7 +228,10 @@ def _time_core(u: _Unit, core: torch.nn.Module, clock: Clock, policy: RepeatPoli
     finally:
         h.remove()
     q, k, v = captured["args"]
-    return _repeat(clock, policy, lambda: {"core": clock.time(lambda: core(q, k, v))[0]})["core"]
+    def step():
+        flush()
+        return {"core": clock.time(lambda: core(q, k, v))[0]}
+    return _repeat(clock, policy, step)["core"]
 
 
 def _memory(u: _Unit, params, clock: Clock, device: str, backward, ops: bool) -> dict:
@@ -256,7 +278,7 @@ def _memory(u: _Unit, params, clock: Clock, device: str, backward, ops: bool) ->
 
 
 def _measure_recompute(u: _Unit, params, core, mode: str, clock: Clock, policy: RepeatPolicy,
-                       grad_out) -> dict:
+                       grad_out, flush) -> dict:
     """Backward time and kept activations with ``mode`` recomputation (non-reentrant
     ``torch.utils.checkpoint`` of the whole unit, or of the attention core only).
 
@@ -291,7 +313,8 @@ def _measure_recompute(u: _Unit, params, core, mode: str, clock: Clock, policy: 
         kept = float(saved.total)
 
         def step():
-            _, out = clock.time(fwd)
+            out = fwd()
+            flush()
             return {"backward": clock.time(lambda: out.backward(grad_out))[0]}
         samples = _repeat(clock, dataclasses.replace(policy, warmup=1), step)
     finally:

@@ -2,8 +2,9 @@
 
 N local processes are started (gloo on CPU, nccl on GPUs, one GPU per process) and time
 all-reduce, all-gather, reduce-scatter, all-to-all and point-to-point over a sweep of
-message sizes. Each time is the median over repeats, each repeat started together
-after a barrier, of the slowest rank. Every operation is then fitted to the alpha-beta
+message sizes. Each repeat starts together on every rank after a barrier and lasts
+as long as its slowest rank; a size's time is the median (or the chosen statistic)
+of its repeats. Every operation is then fitted to the alpha-beta
 form the cost model uses (:mod:`costmodel.comm`), with the same step and byte counts:
 a ring all-reduce of N bytes over n ranks costs ``2(n-1) alpha + 2(n-1)/n N / beta``,
 all-gather and reduce-scatter half of that, all-to-all ``(n-1) alpha + (n-1)/n N / beta``
@@ -42,7 +43,9 @@ class LinkSettings:
     sizes: tuple[int, ...] = DEFAULT_SIZES
     """Message sizes in bytes (the full tensor, as the cost model counts a collective)."""
     ops: tuple[str, ...] = LINK_OPS
+    """Operations to time, from LINK_OPS."""
     warmup: int = 2
+    """Untimed runs per operation and size."""
     repeats: int = 7
     """Timed runs per operation and size, at least..."""
     min_time_s: float = 0.05
@@ -91,101 +94,11 @@ def fit_samples(samples: list[dict], world_size: int) -> tuple[AlphaBeta | None,
     return (fit(samples) if len(samples) >= 2 else None), per
 
 
-# ------------------------------------------------------------------- workers
-def _worker(rank: int, world: int, init_file: str, out_file: str, settings: dict) -> None:
-    import torch
-    import torch.distributed as dist
-
-    backend = settings["backend"]
-    cuda = backend == "nccl"
-    if cuda:
-        torch.cuda.set_device(rank)
-        device = torch.device("cuda", rank)
-    else:
-        # One thread per rank: the ranks share this machine's cores.
-        torch.set_num_threads(1)
-        device = torch.device("cpu")
-    dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world)
-
-    def sync():
-        if cuda:
-            torch.cuda.synchronize(device)
-
-    def make(op: str, nbytes: int):
-        numel = max(world, nbytes // 4 // world * world)
-        if op == "all_reduce":
-            t = torch.ones(numel, device=device)
-            return lambda: dist.all_reduce(t)
-        if op == "all_gather":
-            out = torch.empty(numel, device=device)
-            inp = torch.ones(numel // world, device=device)
-            return lambda: dist.all_gather_into_tensor(out, inp)
-        if op == "reduce_scatter":
-            inp = torch.ones(numel, device=device)
-            out = torch.empty(numel // world, device=device)
-            return lambda: dist.reduce_scatter_tensor(out, inp)
-        if op == "all_to_all":
-            inp = torch.ones(numel, device=device)
-            out = torch.empty(numel, device=device)
-            return lambda: dist.all_to_all_single(out, inp)
-        buf = torch.ones(numel, device=device)
-
-        def ping():
-            if rank == 0:
-                dist.send(buf, 1)
-                dist.recv(buf, 1)
-            elif rank == 1:
-                dist.recv(buf, 0)
-                dist.send(buf, 0)
-        return ping
-
-    samples, unsupported = [], {}
-    for op in settings["ops"]:
-        for nbytes in settings["sizes"]:
-            fn = make(op, nbytes)
-            try:
-                for _ in range(settings["warmup"]):
-                    fn()
-                sync()
-            except (RuntimeError, NotImplementedError) as e:
-                unsupported[op] = str(e).splitlines()[0][:200]
-                break
-            times = []
-            cap = 10 * settings["repeats"]
-            while len(times) < settings["repeats"] or (sum(times) < settings["min_time_s"] and len(times) < cap):
-                dist.barrier()
-                sync()
-                t0 = time.perf_counter()
-                fn()
-                sync()
-                times.append(time.perf_counter() - t0)
-                # Every rank must agree on whether to go on: decide on the slowest one's view.
-                go = torch.tensor([float(len(times) < settings["repeats"] or (
-                    sum(times) < settings["min_time_s"] and len(times) < cap))],
-                    device=device if cuda else "cpu")
-                dist.all_reduce(go, op=dist.ReduceOp.MAX)
-                if not go.item():
-                    break
-            # A collective is done when its slowest rank is: per repeat, the max over ranks.
-            per = torch.tensor(times, dtype=torch.float64, device=device if cuda else "cpu")
-            dist.all_reduce(per, op=dist.ReduceOp.MAX)
-            per = per.cpu().tolist()
-            half = 0.5 if op == "p2p" else 1.0  # a round trip is two one-way transfers
-            stats = {name: fn_(per) * half * 1e6 for name, fn_ in STATISTICS.items()}
-            samples.append({"op": op, "bytes": int(max(world, nbytes // 4 // world * world) * 4),
-                            "time_us": stats[settings["statistic"]], "repeats": len(per),
-                            **{f"{k}_us": v for k, v in stats.items()}})
-    if rank == 0:
-        Path(out_file).write_text(json.dumps({"samples": samples, "unsupported": unsupported}))
-    dist.barrier()
-    dist.destroy_process_group()
-
-
 def benchmark_links(settings: LinkSettings) -> dict:
     """Start the ranks, time the operations and fit them. Returns the ``links`` record
     of a profile file for the ``intra_node`` class.
 
-    The ranks are fresh interpreters (``python -m autoplan.profiler.links``), not
+    The ranks are fresh interpreters (``python -m autoplan.profiler._link_worker``), not
     multiprocessing children, so the caller's main module need not guard itself."""
     settings.validate()
     if settings.backend == "nccl":
@@ -204,7 +117,7 @@ def benchmark_links(settings: LinkSettings) -> dict:
             log = open(os.path.join(tmp, f"rank{rank}.log"), "w+")
             logs.append(log)
             procs.append(subprocess.Popen(
-                [sys.executable, "-m", "autoplan.profiler.links", str(rank), str(settings.world_size), init_file,
+                [sys.executable, "-m", "autoplan.profiler._link_worker", str(rank), str(settings.world_size), init_file,
                  out_file, json.dumps(asdict(settings))], stdout=log, stderr=subprocess.STDOUT, env=env))
         deadline = time.monotonic() + settings.timeout_s
         try:
@@ -239,8 +152,3 @@ def benchmark_links(settings: LinkSettings) -> dict:
             **overall.to_dict(), "by_op": {op: f.to_dict() for op, f in per.items()},
             "unsupported": result["unsupported"], "samples": samples}
 
-
-if __name__ == "__main__":
-    # A rank of benchmark_links: rank, world size, rendezvous file, result file, settings JSON.
-    _rank, _world, _init, _out, _settings = sys.argv[1:6]
-    _worker(int(_rank), int(_world), _init, _out, json.loads(_settings))

@@ -1,8 +1,9 @@
 """A progress line with an ETA on stderr, without a dependency.
 
 The ETA weighs each remaining item by its expected cost (entries differ by orders of
-magnitude: a vocabulary-wide head at micro-batch 8 against an embedding at 1), so
-``elapsed * remaining_weight / done_weight`` is right long before half the items are done.
+magnitude: a vocabulary-wide head at micro-batch 8 against an embedding at 1) and
+prices the remaining weight at the seconds per weight of the last few items: items
+run smallest first, and the recent ones resemble the next ones best.
 On a terminal the line redraws in place; in a log it prints a line every
 ``log_every_s`` seconds so CI logs stay short.
 """
@@ -35,16 +36,22 @@ class Progress:
         self.width = width
         self.done = 0
         self.done_weight = 0.0
+        self.recent: list[tuple[float, float]] = []
+        """(weight, seconds) of the last RECENT items."""
+        self._last_step = None
         self.start = time.monotonic()
         self._last_log = -1e9
         self._last_len = 0
 
+    RECENT = 8
+
     def eta_s(self) -> float | None:
         """Seconds left, or None before anything was timed."""
-        elapsed = time.monotonic() - self.start
-        if self.done_weight <= 0 or elapsed <= 0:
+        w = sum(x for x, _ in self.recent)
+        t = sum(y for _, y in self.recent)
+        if w <= 0 or t <= 0:
             return None
-        return elapsed * (self.total_weight - self.done_weight) / self.done_weight
+        return max(0.0, self.total_weight - self.done_weight) * t / w
 
     def line(self, label: str = "") -> str:
         frac = min(1.0, self.done_weight / self.total_weight)
@@ -58,6 +65,10 @@ class Progress:
 
     def step(self, weight: float, label: str = "") -> None:
         """One item of ``weight`` finished; ``label`` names the next (or this) one."""
+        now = time.monotonic()
+        self.recent.append((weight, now - (self._last_step if self._last_step is not None else self.start)))
+        self.recent = self.recent[-self.RECENT:]
+        self._last_step = now
         self.done += 1
         self.done_weight += weight
         self.show(label)

@@ -24,7 +24,7 @@ from autoplan.profiler.environment import Environment, available_memory_bytes, c
 from autoplan.profiler.layers import RECOMPUTE_MODES, TORCH_DTYPES, UNIT_KINDS, LayerTask, measure_layer
 from autoplan.profiler.links import DEFAULT_SIZES, LinkSettings, benchmark_links
 from autoplan.profiler.progress import Progress
-from autoplan.profiler.shapes import shape_key, shard_config, spec_to_dict, tp_supported
+from autoplan.profiler.shapes import shape_key, spec_to_dict, tp_supported
 from autoplan.profiler.store import ProfileFile, ProfileStore, file_name
 from autoplan.profiler.timing import RepeatPolicy
 from autoplan.units import DTYPE_BYTES, GiB
@@ -46,6 +46,7 @@ class ProfileResult:
     path: Path
     """The profile file written (or that would be, for a dry run)."""
     environment: Environment
+    """The measuring machine, as recorded in the file."""
     tasks: list[LayerTask]
     """Every entry of the sweep that fits in memory."""
     measured: int = 0
@@ -59,7 +60,9 @@ class ProfileResult:
     links: dict | None = None
     """The measured ``intra_node`` link record, when benchmarked."""
     elapsed_s: float = 0.0
+    """Seconds the call took."""
     dry_run: bool = False
+    """Nothing was measured: ``tasks`` is the plan."""
 
     @property
     def store(self) -> ProfileStore:
@@ -90,6 +93,13 @@ class ProfileResult:
 def _configs(model, seq_lens: Sequence[int] | None) -> list[tuple[str, TransformerConfig]]:
     """(label, one-block config at each sequence length) for one model source."""
     from autoplan.models.config import SwinConfig
+    from autoplan.models.spec import ModelSpec
+
+    if isinstance(model, ModelSpec):
+        if model.config is None:
+            raise ConfigError("model", f"{model.name} was measured from an nn.Module, not a config, so its "
+                              "layers cannot be rebuilt at shard shapes", "profile a zoo name or config.json")
+        model = model.config
 
     def at(seq: int | None) -> TransformerConfig:
         over = {"layers": 1, **({"seq_len": seq} if seq else {})}
@@ -117,16 +127,19 @@ def _configs(model, seq_lens: Sequence[int] | None) -> list[tuple[str, Transform
 
 
 def _need_bytes(spec, tp: int, mb: int, dtype: str) -> float:
-    """Memory to measure one entry: the shard's weights and gradients (plus the fp32
-    copy initialisation makes before casting), the activations it saves, its input and
-    output and their gradients, and the costliest transient of its backward."""
+    """Memory to measure one entry, on the safe side: the shard's weights, their
+    accumulated gradients and the fresh gradients backward makes before adding them in
+    (an embedding's is a dense table-sized tensor), the fp32 copy initialisation makes
+    before casting, what the forward saves and about as much again in backward's
+    temporaries, the input and output and their gradients, and the costliest transient
+    of its backward (a head's logits gradient)."""
     from costmodel.memory import transient_bytes
     params = spec.params.at(tp)
     w = DTYPE_BYTES[dtype]
     init_copy = params * 4 if dtype != "fp32" else 0.0
-    acts = mb * (spec.activation_bytes["none"].at(tp) + 2 * spec.activation_bytes["full"].at(tp)
+    acts = mb * (2 * spec.activation_bytes["none"].at(tp) + 2 * spec.activation_bytes["full"].at(tp)
                  + 2 * spec.output_bytes)
-    return 2 * params * w + init_copy + acts + transient_bytes([spec], "none", mb, tp, False)
+    return 3 * params * w + init_copy + acts + transient_bytes([spec], "none", mb, tp, False)
 
 
 def plan_tasks(models: Iterable, device_spec, dtype: str, tp: Sequence[int], micro_batches: Sequence[int],
@@ -180,7 +193,8 @@ def _has(f: ProfileFile, task: LayerTask, recompute: Sequence[str]) -> bool:
 
 
 def _default_command(models, kwargs: dict) -> str:
-    args = ", ".join([repr(m) if not isinstance(m, TransformerConfig) else m.name for m in models]
+    args = ", ".join([repr(m) if isinstance(m, (str, os.PathLike)) else getattr(m, "name", type(m).__name__)
+                      for m in models]
                      + [f"{k}={v!r}" for k, v in kwargs.items()])
     return f"autoplan.profile({args})"
 
@@ -190,14 +204,14 @@ def profile(model, *, device: str = "cpu", dtype: str | None = None, out: str | 
             tp: Sequence[int] = DEFAULT_TP, micro_batches: Sequence[int] = DEFAULT_MICRO_BATCHES,
             seq_lens: Sequence[int] | None = None, recompute: Sequence[str] = DEFAULT_RECOMPUTE,
             warmup: int = 3, repeats: int = 10, min_time_s: float = 0.05, max_repeats: int = 200,
-            clock: str = "wall", statistic: str = "median",
+            clock: str = "wall", statistic: str = "median", flush: bool = True,
             ops: bool = True, links: bool = True, link_world_size: int | None = None,
             link_sizes: Sequence[int] = DEFAULT_SIZES, link_repeats: int = 7,
             max_layer_bytes: float | None = None, threads: int | None = None,
             device_name: str | None = None, restart: bool = False, dry_run: bool = False,
             progress: bool = True, command: str | None = None) -> ProfileResult:
     """Profile the layers of ``model`` (a zoo name, a config.json path, a TransformerConfig,
-    or a list of these) on this machine's ``device`` and write
+    a ModelSpec built from one, or a list of these) on this machine's ``device`` and write
     ``<out>/<device>_<dtype>_torch-<version>.json``.
 
     Layer shapes: every unit of a one-block model at each tensor-parallel degree in ``tp``
@@ -223,14 +237,15 @@ def profile(model, *, device: str = "cpu", dtype: str | None = None, out: str | 
     if bad:
         raise ConfigError("recompute", f"unknown mode(s) {sorted(bad)}", f"choose from {list(RECOMPUTE_MODES)}")
     policy = RepeatPolicy(warmup=warmup, repeats=repeats, min_time_s=min_time_s,
-                          max_repeats=max(max_repeats, repeats), clock=clock, statistic=statistic).validate()
+                          max_repeats=max(max_repeats, repeats), clock=clock, flush=flush,
+                          statistic=statistic).validate()
     if threads is not None:
         if threads < 1:
             raise ConfigError("threads", f"must be >= 1, got {threads}")
         import torch
         torch.set_num_threads(threads)
     from autoplan.profiler.timing import Clock
-    Clock(resolve_device(device, device_name)[0], clock)  # refuses 'thread' with several threads
+    Clock(torch_device, clock)  # refuses 'thread' with several threads
     if command is None:
         command = _default_command(models, {k: v for k, v in dict(
             device=device, dtype=dtype, tp=tuple(tp), micro_batches=tuple(micro_batches),
@@ -261,6 +276,12 @@ def profile(model, *, device: str = "cpu", dtype: str | None = None, out: str | 
         if not existing.environment.same_machine(env):
             raise ConfigError(str(path), f"was measured on {existing.environment.describe()}, this run is "
                               f"{env.describe()}", "write to another --out, or pass --restart to replace it")
+        # One file, one way of timing: entries must be comparable.
+        for key in ("clock", "statistic"):
+            had = existing.settings.get(key, getattr(RepeatPolicy(), key))
+            if had != getattr(policy, key):
+                raise ConfigError(key, f"{getattr(policy, key)!r} differs from the {had!r} that {path.name} was "
+                                  f"measured with", f"pass --{key} {had}, another --out, or --restart")
     f = existing or ProfileFile(path, env, dtype)
     f.settings = {**dataclasses.asdict(policy), "ops": ops}
     if command not in f.commands:

@@ -93,6 +93,13 @@ def shape_key(layer: LayerSpec) -> ShapeKey:
                    _round(layer.params.sharded)],
         "output_per_token": per_token(layer.output_bytes),
         "input_per_token": per_token(layer.activation_bytes.full.replicated),
+        # Fused attention at equal widths still differs by head count (more, narrower heads),
+        # which only what autograd keeps shows: FlashAttention saves a log-sum-exp row per
+        # head. Those bytes grow exactly linearly with the sequence. (Explicit attention
+        # shows its heads in the batched GEMM shapes instead; other units have no heads.)
+        "saved_per_token": ([per_token(layer.activation_bytes.none.replicated),
+                             per_token(layer.activation_bytes.none.sharded)]
+                            if layer.attention_flops_fwd.total > 0 else None),
         "gemms": [_gemm_signature(g, s) for g in layer.gemms_fwd],
         "attention_per_token2": [per_token2(layer.attention_flops_fwd.replicated),
                                  per_token2(layer.attention_flops_fwd.sharded)],

@@ -135,6 +135,10 @@ class ProfileFile:
         text = json.dumps(self.to_dict(), indent=1, sort_keys=False) + "\n"
         fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=f".{self.path.name}.", suffix=".tmp")
         try:
+            # mkstemp makes the file private; a profile is ordinary data (umask applies).
+            umask = os.umask(0)
+            os.umask(umask)
+            os.fchmod(fd, 0o666 & ~umask)
             with os.fdopen(fd, "w") as fh:
                 fh.write(text)
             os.replace(tmp, self.path)
@@ -166,6 +170,7 @@ class _Series:
     """Entries of one fingerprint and tensor-parallel degree: tokens -> micro-batch -> entry."""
 
     by_tokens: dict[int, dict[int, dict]] = field(default_factory=dict)
+    """Sequence length -> micro-batch -> entry (in the store's statistic)."""
 
 
 def _interp_mb(points: dict[int, dict], mb: int, name: str) -> float | None:
@@ -223,6 +228,7 @@ class ProfileStore:
         self._keys: dict[LayerSpec, ShapeKey] = {}
         self._timings: dict[tuple, LayerTiming | None] = {}
         self._fits: dict[str, object] = {}
+        self._efficiencies: dict[str, Efficiency | None] = {}
         for f in files:
             self.add(f)
 
@@ -266,6 +272,7 @@ class ProfileStore:
             s.by_tokens.setdefault(tokens, {})[int(e["micro_batch"])] = self._view(e)
         self._timings.clear()
         self._fits.clear()
+        self._efficiencies.clear()
 
     def _view(self, e: dict) -> dict:
         """The entry with its times in this store's statistic."""
@@ -384,17 +391,23 @@ class ProfileStore:
         was profiled; for a device never profiled, its catalog defaults scaled as the
         profiled devices of its vendor and class deviate from theirs
         (:func:`fit.transfer_efficiency`); None when nothing applies."""
+        # Asked once per layer the profile does not cover: cache per device.
+        if device.name in self._efficiencies:
+            return self._efficiencies[device.name]
         fit = self.efficiency_fit(device)
         if fit is not None:
-            return fit.efficiency
-        from autoplan.profiler.fit import transfer_efficiency
-        peers = []
-        for d in self.profiled_devices():
-            if d.name != device.name:
-                f = self.efficiency_fit(d)
-                if f is not None:
-                    peers.append((d, f))
-        return transfer_efficiency(device, peers)
+            eff = fit.efficiency
+        else:
+            from autoplan.profiler.fit import calibrates, transfer_efficiency
+            peers = []
+            for d in self.profiled_devices():
+                if d.name != device.name and calibrates(d, device):
+                    f = self.efficiency_fit(d)
+                    if f is not None:
+                        peers.append((d, f))
+            eff = transfer_efficiency(device, peers)
+        self._efficiencies[device.name] = eff
+        return eff
 
     def link(self, device: DeviceSpec, link_class: str = "intra_node") -> Link | None:
         """The measured alpha-beta link among ``device``'s local ranks (achieved bandwidth,

@@ -2,13 +2,14 @@
 
 * GPU: CUDA events around the work (the GPU's own timeline, launch gaps included),
   memory from the caching allocator's statistics (``max_memory_allocated``).
-* CPU: ``time.perf_counter`` wall clock; memory from the allocation records of
-  ``torch.profiler`` (every CPU allocation and free with its size), and saved
-  activations from autograd's saved-tensor hooks on both devices.
+* CPU: ``time.perf_counter`` wall clock (or the measuring thread's CPU time); memory
+  from the allocation records of ``torch.profiler`` (every CPU allocation and free
+  with its size), and saved activations from autograd's saved-tensor hooks on both
+  devices.
 
-Every timing is the median of repeats after warm-up: the first runs pay for lazy
-initialisation (allocator growth, kernel selection, oneDNN primitive caches) and a
-shared machine adds one-sided outliers that a median ignores.
+Every timing is a summary (median by default) of repeats after warm-up: the first runs
+pay for lazy initialisation (allocator growth, kernel selection, oneDNN primitive
+caches) and a shared machine adds one-sided outliers that a median ignores.
 """
 from __future__ import annotations
 
@@ -38,7 +39,7 @@ class RepeatPolicy:
     """Timed runs at least."""
     min_time_s: float = 0.05
     """Keep repeating until the timed runs add up to this many seconds (short kernels
-    need many samples for a stable median on a shared machine)..."""
+    need many samples for a stable summary on a shared machine)..."""
     max_repeats: int = 200
     """... but never more than this many."""
     clock: str = "wall"
@@ -47,11 +48,16 @@ class RepeatPolicy:
     the autograd engine's CPU work run on the calling thread) and leaves out the time
     the thread waited for a core, so it still measures the kernels when other jobs
     share the machine. Ignored on GPU (CUDA events)."""
+    flush: bool = True
+    """Evict caches before every timed pass (as GPU kernel benchmarks do, e.g. Triton's
+    ``do_bench``): in a model, other layers run between a layer's forward and its next
+    use, so a layer timed in a hot loop (its weights and activations still cached, and
+    on CPU its small kernels at their fastest) looks faster than it is in the model."""
     statistic: str = "median"
-    """What a profile entry's times are: 'median' of the repeats, or 'p10' (the first
-    decile), which is what a machine shared with other jobs should use: preemption only
+    """What a profile entry's times are: 'median' of the repeats, 'p10' (the first
+    decile) or 'min'. A machine shared with other jobs should use 'p10': preemption only
     ever adds time, and when other processes hold the cores for seconds at a time even
-    the median moves (both are always recorded; this picks the headline one)."""
+    the median moves (all three are always recorded; this picks the headline one)."""
 
     def validate(self) -> "RepeatPolicy":
         from autoplan.errors import ConfigError
@@ -107,6 +113,56 @@ class Clock:
         t0 = self._now()
         out = fn()
         return self._now() - t0, out
+
+
+def cache_sizes(device: str) -> tuple[int, int]:
+    """(per-core L2, last-level) cache bytes of the device (sysfs on Linux for the CPU;
+    the GPU's L2 for both on CUDA); conservative defaults when unknown."""
+    if torch.device(device).type == "cuda":
+        props = torch.cuda.get_device_properties(torch.device(device))
+        l2 = int(getattr(props, "L2_cache_size", 0) or 64 * 2 ** 20)
+        return l2, l2
+    sizes = {}
+    base = "/sys/devices/system/cpu/cpu0/cache"
+    try:
+        for entry in sorted(os.listdir(base)):
+            if not entry.startswith("index"):
+                continue
+            with open(f"{base}/{entry}/level") as f:
+                level = int(f.read())
+            with open(f"{base}/{entry}/type") as f:
+                kind = f.read().strip()
+            with open(f"{base}/{entry}/size") as f:
+                text = f.read().strip()
+            mult = {"K": 2 ** 10, "M": 2 ** 20, "G": 2 ** 30}.get(text[-1:], 1)
+            if kind != "Instruction":
+                sizes[level] = int(text.rstrip("KMG")) * mult
+    except (OSError, ValueError):
+        pass
+    l2 = sizes.get(2, 2 ** 20)
+    return l2, sizes.get(max(sizes), 32 * 2 ** 20) if sizes else 32 * 2 ** 20
+
+
+class CacheFlush:
+    """Overwrites a buffer of ``nbytes`` on the device, evicting what the caches held."""
+
+    def __init__(self, device: str, nbytes: int):
+        self.nbytes = int(nbytes)
+        self.buffer = torch.empty(max(1, self.nbytes // 4), dtype=torch.float32, device=device) if nbytes else None
+        self._n = 0
+
+    def __call__(self) -> None:
+        if self.buffer is not None:
+            self._n += 1
+            self.buffer.fill_(float(self._n))
+
+
+def flush_bytes(device: str, working_set: float) -> int:
+    """How much to overwrite before a timed pass of a layer touching ``working_set``
+    bytes: enough to evict it (4x, caches are not perfectly LRU), at least twice the
+    per-core cache, at most twice the last-level cache (beyond that nothing is left)."""
+    l2, llc = cache_sizes(device)
+    return int(max(2 * l2, min(2 * llc, 4 * working_set)))
 
 
 def median(xs: list[float]) -> float:
@@ -237,7 +293,11 @@ def profile_pass(fn: Callable[[], object], clock: Clock, memory: bool) -> tuple[
     for evt in prof.key_averages():
         if not evt.key.startswith("aten::"):
             continue
-        t = evt.self_device_time_total if clock.cuda else evt.self_cpu_time_total
+        if clock.cuda:
+            # Kernel time attributed to the operator that launched it (older torch: "cuda").
+            t = getattr(evt, "self_device_time_total", None) or getattr(evt, "self_cuda_time_total", 0.0)
+        else:
+            t = evt.self_cpu_time_total
         by_cat[_category(evt.key)] += float(t) / 1e3
     times = {f"{k}_ms": v for k, v in by_cat.items()}
     times["profiled_ms"] = wall_us / 1e3

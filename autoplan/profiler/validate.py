@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from autoplan.profiler.layers import TORCH_DTYPES
-from autoplan.profiler.timing import STATISTICS, Clock, RepeatPolicy, spread
+from autoplan.profiler.timing import STATISTICS, CacheFlush, Clock, RepeatPolicy, flush_bytes, spread
 
 
 @dataclass(frozen=True)
@@ -22,11 +22,13 @@ class ModelTiming:
     forward_s: float
     """Forward including the loss."""
     backward_s: float
+    """Backward of the loss."""
     statistic: str
     """'median' or 'p10' of the repeats (match the profile's)."""
     spread: float
     """Interquartile range over median of forward+backward."""
     repeats: int
+    """Timed steps."""
 
     @property
     def total_s(self) -> float:
@@ -43,6 +45,8 @@ def measure_model(cfg, micro_batch: int, device: str = "cpu", dtype: str = "fp32
     model = build_model(cfg).to(device=device, dtype=TORCH_DTYPES[dtype]).train()
     x, y = example_inputs(cfg, micro_batch, device=device, generator=torch.Generator().manual_seed(0))
     clock = Clock(device, policy.clock)
+    working_set = sum(p.numel() * p.element_size() for p in model.parameters())
+    flush = CacheFlush(device, flush_bytes(device, working_set) if policy.flush else 0)
 
     def fwd():
         return loss_fn(model(x), y)
@@ -52,7 +56,9 @@ def measure_model(cfg, micro_batch: int, device: str = "cpu", dtype: str = "fp32
     for _ in range(policy.warmup):
         fwd().backward()
     while n < policy.repeats or (spent < policy.min_time_s and n < policy.max_repeats):
+        flush()
         tf, loss = clock.time(fwd)
+        flush()
         tb, _ = clock.time(loss.backward)
         fs.append(tf)
         bs.append(tb)
@@ -68,14 +74,19 @@ class Check:
     """Predicted against measured forward+backward of one model."""
 
     model: str
+    """Model name."""
     micro_batch: int
+    """Samples per micro-batch."""
     seq_len: int
+    """Tokens per sample."""
     predicted_s: float
     """The cost model's compute time (forward + backward) with the profile."""
     roofline_s: float
     """The same without the profile (catalog roofline)."""
     measured: ModelTiming
+    """The whole model's measured step."""
     sources: dict
+    """Estimate.sources of the profiled prediction ('measured', 'roofline' or 'mixed')."""
 
     @property
     def error(self) -> float:
