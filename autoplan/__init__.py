@@ -28,7 +28,7 @@ def estimate(model, cluster, plan, **options):
     """Predict iteration time and per-rank memory of ``plan`` (see costmodel.estimate)."""
     # Imported here: costmodel sits above this package's core modules in the layering.
     from costmodel import estimate as _estimate
-    return _estimate(models.get(model), cluster, plan, **options)
+    return _estimate(models.get(model, dtype=plan.dtype), cluster, plan, **options)
 
 
 def search(model, cluster, global_batch: int, **constraints):

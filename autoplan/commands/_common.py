@@ -12,10 +12,10 @@ def add_model_args(p: argparse.ArgumentParser, required: bool = True) -> None:
     p.add_argument("--seq-len", type=int, default=None, help="sequence length (default: the model's)")
 
 
-def load_model(args):
+def load_model(args, dtype: str = "bf16"):
     from autoplan import models
     overrides = {"seq_len": args.seq_len} if getattr(args, "seq_len", None) else {}
-    return models.get(args.model, **overrides)
+    return models.get(args.model, dtype=dtype, **overrides)
 
 
 def gib(x: float) -> str:

@@ -34,8 +34,8 @@ def _profiles(folder):
 def run(args) -> int:
     from autoplan import Cluster, Plan, estimate
     cluster = Cluster.load(args.cluster)
-    model = load_model(args)
     plan = Plan.load(args.plan)
+    model = load_model(args, dtype=plan.dtype)
     est = estimate(model, cluster, plan, overlap_grad_reduce=not args.no_overlap,
                    profiles=_profiles(args.profiles))
     if args.json:

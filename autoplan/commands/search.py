@@ -1,0 +1,104 @@
+"""`autoplan search`: the best parallel plans for a model on a cluster."""
+from __future__ import annotations
+
+import json
+import sys
+import textwrap
+
+from autoplan.commands._common import add_model_args, load_model
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
+def _words(text: str) -> list[str]:
+    return [x.strip() for x in text.split(",") if x.strip()]
+
+
+def register(sub) -> None:
+    p = sub.add_parser("search", help="find the fastest plans that fit (searched, then ranked by the cost model)")
+    p.add_argument("--cluster", required=True, help="cluster.json")
+    add_model_args(p)
+    p.add_argument("--global-batch", type=int, required=True, help="samples (sequences) per iteration")
+    p.add_argument("--top-k", type=int, default=5, help="plans to show (default 5)")
+    p.add_argument("--out", default=None, metavar="PLAN_JSON",
+                   help="write the best plan (with its estimate) for `autoplan estimate` / `autoplan run`")
+    p.add_argument("--explain", action="store_true", help="say why the best plan beats the runner-up")
+    p.add_argument("--json", action="store_true", help="print the ranking as JSON")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    g = p.add_argument_group("narrow the search space (comma-separated lists)")
+    g.add_argument("--tp", type=_ints, default=None, help="tensor-parallel degrees, e.g. 4,8")
+    g.add_argument("--pp", type=_ints, default=None, help="pipeline depths")
+    g.add_argument("--dp", type=_ints, default=None, help="data-parallel degrees")
+    g.add_argument("--micro-batch", type=_ints, default=None, help="micro-batch sizes")
+    g.add_argument("--schedules", type=_words, default=None,
+                   help="gpipe,1f1b,interleaved-1f1b,zero-bubble (default: all)")
+    g.add_argument("--recompute", type=_words, default=None, help="none,selective,full (default: all)")
+    g.add_argument("--zero", type=_ints, default=None, help="ZeRO stages, e.g. 0,1 (default: 0-3)")
+    g.add_argument("--no-sequence-parallel", action="store_true", help="never use sequence parallelism")
+    g.add_argument("--use-all-gpus", action="store_true", help="only plans that use every GPU")
+    c = p.add_argument_group("cost model")
+    c.add_argument("--profiles", default=None,
+                   help="folder of measured profiles (from `autoplan profile`); default: the shipped ones")
+    c.add_argument("--no-overlap", action="store_true",
+                   help="data-parallel gradient reduction does not overlap the backward")
+    p.set_defaults(func=run)
+
+
+def _profiles(folder):
+    # The same default as `autoplan estimate`, so the two commands agree on every plan.
+    try:
+        from autoplan.profiler import ProfileStore
+    except ImportError:
+        return None
+    return ProfileStore.load(folder) if folder else ProfileStore.shipped()
+
+
+def run(args) -> int:
+    from autoplan import Cluster
+    from autoplan.errors import NoPlanFitsError
+    from costmodel import EstimateOptions
+    from search import search
+
+    cluster = Cluster.load(args.cluster)
+    model = load_model(args)
+    constraints = {"progress": not args.no_progress and not args.json,
+                   "options": EstimateOptions(overlap_grad_reduce=not args.no_overlap,
+                                              profiles=_profiles(args.profiles))}
+    for name in ("tp", "pp", "dp", "micro_batch", "schedules", "recompute", "zero"):
+        value = getattr(args, name)
+        if value is not None:
+            constraints[name] = value
+    if args.no_sequence_parallel:
+        constraints["sequence_parallel"] = [False]
+    if args.use_all_gpus:
+        constraints["use_all_gpus"] = True
+    try:
+        result = search(model, cluster, args.global_batch, **constraints)
+    except NoPlanFitsError as e:
+        print(textwrap.fill(f"autoplan search: {e}", width=100), file=sys.stderr)
+        return 2
+    best = result.best
+    if args.out:
+        best.plan.save(args.out, extra={"estimate": best.estimate.to_dict()})
+    if args.json:
+        print(json.dumps({"model": model.name, "cluster": cluster.name, "global_batch": args.global_batch,
+                          "ranked": [{"rank": rp.rank, "plan": rp.plan.to_dict(),
+                                      "estimate": rp.estimate.to_dict(), "gpus_used": rp.gpus_used}
+                                     for rp in result.ranked[:args.top_k]],
+                          "stats": {k: v for k, v in vars(result.stats).items() if k != "placement"}},
+                         indent=2, default=str))
+        return 0
+    print(f"model {model.describe()}")
+    print(f"cluster {cluster.name}: {cluster.num_gpus} GPUs, global batch {args.global_batch}")
+    print()
+    print(result.table(args.top_k))
+    print()
+    print(result.stats.summary())
+    if args.explain:
+        print()
+        print(result.explain())
+    if args.out:
+        print(f"\nwrote {args.out} (best plan: {best.plan.describe()})")
+    return 0
