@@ -18,6 +18,7 @@ torchtitan's ``torchtitan/config/job_config.py``.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Iterable
@@ -417,7 +418,6 @@ def torchtitan_config(plan: Plan, model: "ModelSpec | None" = None) -> tuple[dic
     flavor = TORCHTITAN_FLAVORS.get(model_name)
     if flavor is not None and model is not None:
         from autoplan.models.presets import get_config
-        import dataclasses
         if dataclasses.replace(model.config, seq_len=get_config(model_name).seq_len,
                                max_positions=None).resolved() != get_config(model_name):
             flavor = None  # the preset with changed shapes is not torchtitan's flavor any more

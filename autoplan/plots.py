@@ -138,8 +138,9 @@ def _draw_timeline(ax, estimate: "Estimate", title: str | None, scale: float, un
         for kind in ("F", "B", "I", "W", "optimizer"):
             spans = [(a * scale, (b - a) * scale) for k, _, _, a, b in data.compute[g] if k == kind]
             if spans:
-                ax.broken_barh(spans, (y + 0.35, 0.6), facecolors=COLORS[kind], edgecolor="white",
-                               linewidth=0.3, zorder=2)
+                # Thin white separators help with a few actions and wash the colour out with many.
+                ax.broken_barh(spans, (y + 0.35, 0.6), facecolors=COLORS[kind],
+                               edgecolor="white" if label_mb else "none", linewidth=0.3, zorder=2)
         if data.tp_comm[g]:
             ax.broken_barh([(a * scale, (b - a) * scale) for a, b in data.tp_comm[g]], (y + 0.35, 0.6),
                            facecolors="black", edgecolor="none", alpha=0.3, zorder=3)
@@ -149,7 +150,8 @@ def _draw_timeline(ax, estimate: "Estimate", title: str | None, scale: float, un
                 ax.broken_barh(spans, (y + 0.05, 0.25), facecolors=COLORS[kind], edgecolor="none", zorder=2)
         if label_mb:
             for k, s, m, a, b in data.compute[g]:
-                if k in ("F", "B", "I", "W") and m >= 0:
+                # Only where the number fits inside the bar.
+                if k in ("F", "B", "I", "W") and m >= 0 and b - a >= 0.012 * data.end * (1 + (m >= 10)):
                     ax.text((a + b) / 2 * scale, y + 0.65, str(m), ha="center", va="center", fontsize=6,
                             color="white", zorder=4, clip_on=True)
     ax.set_yticks([plan.pp - 1 - g + 0.5 for g in range(plan.pp)])

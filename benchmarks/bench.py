@@ -107,7 +107,7 @@ class Scenario:
         for key in ("global_batch", "top_k", "progress"):
             if key in search:
                 raise ConfigError(f"{r.path('search')}.{key}", "is set by the benchmark itself",
-                                  f"use the scenario's own field instead" if key != "progress" else "remove it")
+                                  "use the scenario's own field instead" if key != "progress" else "remove it")
         return cls(name=r.str("name"), model=r.str("model"), cluster=cluster, cluster_source=source,
                    global_batch=r.int("global_batch", minimum=1), overrides=overrides,
                    top_k=r.int("top_k", 3, minimum=1), quick=r.bool("quick", False),
@@ -201,6 +201,8 @@ class MemoryShortfall:
     """Peak bytes per GPU the group needs."""
     available: float
     """Bytes of its smallest device."""
+    smallest: str = ""
+    """Node-group name of that smallest device."""
 
 
 @dataclass
@@ -267,7 +269,11 @@ class ScenarioResult:
         bars = memory_bars(result.estimate, self.cluster)
         g = max(range(len(bars)), key=lambda i: bars[i].total / bars[i].capacity)
         devices = bars[g].label.split("\n")[-1]
-        return MemoryShortfall(group=g, devices=devices, needed=bars[g].total, available=bars[g].capacity)
+        ranks = result.plan.groups[g].ranks
+        low = min(ranks, key=lambda r: self.cluster.slots[r].device.memory_bytes)
+        smallest = self.cluster.groups[self.cluster.slots[low].group].name
+        return MemoryShortfall(group=g, devices=devices, needed=bars[g].total, available=bars[g].capacity,
+                               smallest=smallest)
 
     def headroom(self, result: PlanResult) -> list[Headroom]:
         if result.estimate is None:
@@ -281,9 +287,10 @@ class ScenarioResult:
         return out
 
 
-def estimate_plan(name: str, model, cluster: Cluster, make: Callable[[], Plan]) -> PlanResult:
-    """Build a plan with ``make`` and estimate it; an autoplan error from either becomes
-    the result's ``error`` (a rule that finds no plan is a result, not a crash)."""
+def estimate_plan(name: str, model, cluster: Cluster, make: Callable[[], Plan], **options) -> PlanResult:
+    """Build a plan with ``make`` and estimate it (``options``: estimate options such as
+    ``profiles``); an autoplan error from either becomes the result's ``error`` (a rule
+    that finds no plan is a result, not a crash)."""
     import autoplan
     t0 = time.perf_counter()
     try:
@@ -292,7 +299,7 @@ def estimate_plan(name: str, model, cluster: Cluster, make: Callable[[], Plan]) 
         return PlanResult(name, error=str(e), seconds=time.perf_counter() - t0)
     seconds = time.perf_counter() - t0
     try:
-        est = autoplan.estimate(model, cluster, plan)
+        est = autoplan.estimate(model, cluster, plan, **options)
     except AutoplanError as e:
         return PlanResult(name, plan=plan, error=f"estimate failed: {e}", seconds=seconds)
     return PlanResult(name, plan=plan, estimate=est, seconds=seconds)
@@ -373,6 +380,8 @@ class MeasuredRun:
     record: str | None = None
     """Path of the run record (relative to the report)."""
     error: str | None = None
+    sources: str = ""
+    """Where the prediction's layer times came from, per device ('measured' profile or 'roofline')."""
 
 
 @dataclass
@@ -413,14 +422,22 @@ def run_measured(out_dir: Path, model_name: str = "gpt-tiny", ranks: int = 2, st
         track.skipped = "runtime not available (autoplan.runtime / `autoplan run` are absent)"
         return track
     cluster = cpu_cluster(ranks)
-    model = autoplan.models.get(model_name)
-    searched = run_search(model, cluster, global_batch, top_k=1)[0]
+    # The runtime computes in fp32 on CPUs (its record says so), and the shipped CPU
+    # profiles are fp32: plan and predict in fp32 so the prediction is of what runs.
+    model = autoplan.models.get(model_name, dtype="fp32")
+    profiles = _shipped_profiles()
+    options = {"profiles": profiles} if profiles is not None else {}
+    searched = run_search(model, cluster, global_batch, top_k=1, options=options)[0]
     from autoplan import baselines
-    base = estimate_plan("megatron", model, cluster, lambda: baselines.megatron(model, cluster, global_batch))
+    base = estimate_plan("megatron", model, cluster,
+                         lambda: dataclasses.replace(baselines.megatron(model, cluster, global_batch), dtype="fp32"),
+                         **options)
     run_dir = out_dir / "measured"
     run_dir.mkdir(parents=True, exist_ok=True)
     for res in (base, searched):
-        run = MeasuredRun(res.name, res.plan, res.time, None)
+        run = MeasuredRun(res.name, res.plan, res.time, None,
+                          sources=", ".join(f"{d}: {src}" for d, src in res.estimate.sources.items())
+                          if res.estimate is not None else "")
         track.runs.append(run)
         if res.plan is None:
             run.error = res.error
@@ -450,11 +467,24 @@ def run_measured(out_dir: Path, model_name: str = "gpt-tiny", ranks: int = 2, st
     return track
 
 
+def _shipped_profiles():
+    """The CPU layer profiles shipped in autoplan/data/profiles, or None without a profiler."""
+    try:
+        from autoplan.profiler import ProfileStore
+        return ProfileStore.shipped()
+    except (ImportError, AttributeError, AutoplanError):
+        return None
+
+
 # ----------------------------------------------------------------------------- report
 def _fmt_time(t: float | None) -> str:
     if t is None:
         return "–"
     return f"{t:.3f} s" if t >= 1 else f"{t * 1e3:.1f} ms"
+
+
+def _fmt_secs(t: float) -> str:
+    return f"{t:.2f} s" if t < 10 else f"{t:.0f} s"
 
 
 def _gib(x: float) -> str:
@@ -529,7 +559,7 @@ def plot_search_times(results: Sequence[ScenarioResult], path: Path) -> None:
     secs = [max(r.searched.seconds, 1e-3) for r in results]
     ax.bar(xs, secs, color=["#C44E52" if r.scenario.mixed else "#4C72B0" for r in results])
     for x, r, s in zip(xs, results, secs):
-        ax.text(x, s, f"{s:.1f}s\n{r.cluster.num_gpus} GPUs", ha="center", va="bottom", fontsize=6)
+        ax.text(x, s, f"{_fmt_secs(s)}\n{r.cluster.num_gpus} GPUs", ha="center", va="bottom", fontsize=6)
     ax.set_yscale("log")
     ax.set_xticks(list(xs))
     ax.set_xticklabels([r.scenario.name for r in results], rotation=30, ha="right", fontsize=7)
@@ -573,7 +603,8 @@ def _scenario_section(res: ScenarioResult, out_dir: Path) -> list[str]:
               f"sequence {model.seq_len})" + (f", overrides {sc.overrides}" if sc.overrides else ""),
               f"- cluster: **{cluster.name}** ({cluster.num_gpus} GPUs: {kinds}; source: {sc.cluster_source})",
               f"- global batch: {sc.global_batch}",
-              f"- search: {res.searched.seconds:.1f} s wall time", ""]
+              f"- search: {_fmt_secs(res.searched.seconds)} wall time"
+              + (f", options {sc.search_options}" if sc.search_options else ""), ""]
     if res.stats_text:
         lines += ["```", res.stats_text, "```", ""]
     elif res.stats:
@@ -607,8 +638,9 @@ def _scenario_section(res: ScenarioResult, out_dir: Path) -> list[str]:
             lines.append(f"- {b.title}: the rule produced no plan: {b.error}")
         elif not b.fits:
             s = res.shortfall(b)
+            where = "" if s.smallest == s.devices else f" on its smallest device ({s.smallest})"
             lines.append(f"- {b.title} does not fit: pipeline group {s.group} ({s.devices}) needs "
-                         f"{_gib(s.needed)} GiB per GPU, {_gib(s.available)} GiB available.")
+                         f"{_gib(s.needed)} GiB per GPU, {_gib(s.available)} GiB available{where}.")
     if sc.mixed and res.searched.fits:
         best = res.best_fitting_baseline()
         if best is not None:
@@ -672,7 +704,7 @@ def write_report(results: Sequence[ScenarioResult], out_dir: str | Path, measure
         plan = f"`{res.searched.plan.describe()}`" if res.searched.plan else f"no plan ({res.searched.error})"
         rows.append([sc.name, res.model.name, f"{res.cluster.num_gpus}" + (" (mixed)" if sc.mixed else ""),
                      str(sc.global_batch), plan, _fmt_time(res.searched.time), *cells, verdict(res),
-                     f"{res.searched.seconds:.1f} s"])
+                     _fmt_secs(res.searched.seconds)])
     lines += [_md_table(["scenario", "model", "GPUs", "batch", "searched plan", "iteration",
                          *(f"vs {BASELINE_TITLES[b]}" for b in BASELINES), "searched ≥ baselines that fit",
                          "search time"], rows), ""]
@@ -708,15 +740,23 @@ def _measured_section(track: MeasuredTrack | None, out_dir: Path) -> list[str]:
     if track.skipped:
         return lines + [f"skipped: {track.skipped}", ""]
     lines += [f"{track.model} on {track.ranks} CPU ranks with the gloo backend, {track.steps} steps each, run by "
-              "`autoplan run` (torchrun). Measured = median step time after the first (warm-up) step, from the "
-              "run record; predicted = the cost model on the CPU cluster (catalog figures for a CPU rank).", ""]
+              "`autoplan run` (torchrun). Measured = the run record's median step time (first step left out); "
+              "predicted = the cost model on the CPU cluster in fp32 (what the runtime computes in on CPUs), "
+              "from the CPU layer profiles shipped in autoplan/data/profiles where they apply ('measured') and the "
+              "catalog roofline otherwise.", ""]
     rows = []
     for r in track.runs:
         ratio = f"{r.measured_s / r.predicted_s:.2f}" if r.measured_s and r.predicted_s else "–"
         plan = f"`{r.plan.describe()}`" if r.plan else "–"
         rows.append([BASELINE_TITLES.get(r.name, r.name), plan, _fmt_time(r.predicted_s), _fmt_time(r.measured_s),
-                     ratio, r.error or (f"[record]({r.record})" if r.record else "")])
-    lines += [_md_table(["plan", "configuration", "predicted", "measured", "measured / predicted", "notes"], rows), ""]
+                     ratio, r.sources or "–", r.error or (f"[record]({r.record})" if r.record else "")])
+    lines += [_md_table(["plan", "configuration", "predicted", "measured", "measured / predicted",
+                         "prediction source", "notes"], rows), ""]
+    done = {r.name: r for r in track.runs if r.measured_s and r.predicted_s}
+    if "searched" in done and "megatron" in done:
+        s, b = done["searched"], done["megatron"]
+        lines += [f"Searched plan over the Megatron baseline: measured {b.measured_s / s.measured_s:.2f}x, "
+                  f"predicted {b.predicted_s / s.predicted_s:.2f}x.", ""]
     if plot_measured(track, out_dir / "measured.png"):
         lines += ["![predicted vs measured](measured.png)", ""]
     return lines

@@ -185,5 +185,12 @@ def test_small_scenario_end_to_end(tmp_path):
     for b in res.baselines:
         if b.fits:
             assert res.searched.time <= b.time * (1 + 1e-9)
-    text = write_report([res], tmp_path / "report", None).read_text()
+    # The same scenario through the command line writes the report with its figures.
+    from autoplan.cli import main as cli_main
+    assert cli_main(["bench", "--scenarios", str(tmp_path), "--out", str(tmp_path / "report"),
+                     "--no-measured"]) == 0
+    text = (tmp_path / "report" / "report.md").read_text()
     assert "the searched plan is at least as fast as every baseline that fits" in text
+    assert "Not run (`--no-measured`)" in text
+    for png in ("speedup.png", "search_time.png", "small-timeline.png", "small-memory.png"):
+        assert (tmp_path / "report" / png).read_bytes()[:8] == PNG_MAGIC, png

@@ -67,9 +67,12 @@ def test_estimate_json(capsys, plan_file):
 @pytest.mark.parametrize("args,needle", [
     (["cluster", "show", "missing.json"], "missing.json: file not found"),
     (["estimate", "--cluster", "examples/clusters/dgx-a100-1node.json", "--model", "gpt-9000",
-      "--plan", "x.json"], "unknown model"),
-], ids=["missing-cluster", "unknown-model"])
-def test_user_errors_are_one_line(capsys, args, needle):
+      "--plan", "{plan}"], "unknown model"),
+    (["estimate", "--cluster", "examples/clusters/dgx-a100-1node.json", "--model", "gpt2-medium",
+      "--plan", "missing-plan.json"], "missing-plan.json: file not found"),
+], ids=["missing-cluster", "unknown-model", "missing-plan"])
+def test_user_errors_are_one_line(capsys, plan_file, args, needle):
+    args = [a.replace("{plan}", str(plan_file)) for a in args]
     code, out, err = run_cli(capsys, *args)
     assert code == 2
     assert needle in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
