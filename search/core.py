@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import heapq
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from autoplan.cluster import Cluster
 from autoplan.errors import ConfigError, NoPlanFitsError
@@ -29,13 +29,13 @@ from autoplan.models.spec import ModelSpec
 from autoplan.plan import DeviceGroup
 from autoplan.units import GiB
 from costmodel import estimate as full_estimate
-from search.evaluate import Candidate, Setting, Skeleton, analyze
-from search.inflight import inflight
+from search.bounds import Bounds
+from search.evaluate import Candidate, Setting, Skeleton, analyze, program_actions, simulated
 from search.placement import PlacementStats, allocate, place, pool_kinds
 from search.progress import Progress
 from search.result import RankedPlan, SearchResult, SearchStats
 from search.space import Constraints, divisors
-from search.split import Splitter
+from search.split import INF, Split, Splitter
 from search.tables import DYNAMIC_FACTOR, OVERHEAD, RECOMPUTES, Kind, Tables
 
 
@@ -51,19 +51,23 @@ def search(model: ModelSpec, cluster: Cluster, global_batch: int, **constraints)
     return _Search(model, cluster, global_batch, c).run()
 
 
-@dataclass(order=True)
-class _Config:
-    bound: float
-    order: int
-    skeleton: int
-    setting: Setting
+PLACEMENT_MICRO_BATCHES = 2
+"""Micro-batch sizes (the smallest ones) CP-SAT places device groups for, per dp."""
+REFINE_ACTIONS = 256
+"""Refine splits by local search only for programs this short (a few dozen simulations
+of at most this many actions each): there the fill and drain, not the period the DP
+balances, make much of the time."""
+REFINE_WINDOW = 1.1
+"""Refine a split only when its time is within this factor of the shortlist's worst (or the
+shortlist is not full): refining rarely gains more than that."""
 
 
 class _Search:
     def __init__(self, model: ModelSpec, cluster: Cluster, global_batch: int, c: Constraints):
         self.model, self.cluster, self.gb, self.c = model, cluster, global_batch, c
         self.dtype = model.dtype
-        self.tables = Tables(model, cluster, self.dtype, c.profiles)
+        self.options = c.estimate_options()
+        self.tables = Tables(model, cluster, self.dtype, self.options)
         self.splitter = Splitter(self.tables)
         self.stats = SearchStats()
         self.progress = Progress(c.progress)
@@ -71,7 +75,8 @@ class _Search:
         self.modes = c.recompute
         self.q_fast = RECOMPUTES.index(self.modes[0])
         self.q_lean = RECOMPUTES.index(self.modes[-1])
-        self._work: dict = {}
+        self.bounds = Bounds(self.tables, self.modes, global_batch)
+        self.refine_left = c.refine_evaluations
 
     # ------------------------------------------------------------ options
     def tp_options(self) -> list[int]:
@@ -96,12 +101,10 @@ class _Search:
 
     def schedules(self, pp: int) -> list[str]:
         if pp == 1:
-            # With one stage every schedule is the same program except GPipe (holds all
-            # micro-batches) and zero-bubble (splits the backward for nothing): one is enough.
-            for s in ("1f1b", "zero-bubble", "gpipe"):
-                if s in self.c.schedules:
-                    return [s]
-            return []
+            # One stage: nothing to interleave. The other schedules still differ (GPipe
+            # holds every micro-batch, zero-bubble ends on a weight-gradient pass that the
+            # gradient reduction overlaps less), so each is tried.
+            return [s for s in self.c.schedules if s != "interleaved-1f1b"]
         return list(self.c.schedules)
 
     def settings(self, sk: Skeleton):
@@ -111,6 +114,10 @@ class _Search:
         # sequence parallelism without tensor parallelism.
         sps = self.c.sequence_parallel if any_tp else (min(self.c.sequence_parallel),)
         zeros = self.c.zero if dp > 1 else (min(self.c.zero),)
+        # ZeRO 0-2 share a time bound (they differ in memory and in the gradient
+        # reduction only); ZeRO-3 adds gathers to every micro-batch.
+        low = tuple(z for z in zeros if z < 3 or dp == 1)
+        z3 = dp > 1 and 3 in zeros
         for b in self.mb_options(dp):
             m = self.gb // (dp * b)
             for sched in self.schedules(P):
@@ -122,9 +129,11 @@ class _Search:
                 else:
                     vs = [1]
                 for v in vs:
-                    for z in zeros:
-                        for sp in sps:
-                            yield Setting(b, m, sched, v, z, sp)
+                    for sp in sps:
+                        if low:
+                            yield Setting(b, m, sched, v, low[-1], sp), low
+                        if z3:
+                            yield Setting(b, m, sched, v, 3, sp), (3,)
 
     # --------------------------------------------------------- skeletons
     def homogeneous_skeletons(self) -> list[Skeleton]:
@@ -147,7 +156,10 @@ class _Search:
 
     def heterogeneous_skeletons(self, pstats: PlacementStats) -> list[Skeleton]:
         seen: dict[tuple, Skeleton] = {}
-        keys = [(dp, b) for dp in self.dp_options() for b in self.mb_options(dp)]
+        # The sequence of device groups depends on the micro-batch only through memory:
+        # placing for the two smallest sizes covers the ones that fit best; the DP then
+        # tries every micro-batch size on every sequence.
+        keys = [(dp, b) for dp in self.dp_options() for b in self.mb_options(dp)[:PLACEMENT_MICRO_BATCHES]]
         self.progress.phase("placement", len(keys))
         max_pp = max(self.pp_options()) if self.pp_options() else 0
         for dp, b in keys:
@@ -169,44 +181,20 @@ class _Search:
         return list(seen.values())
 
     # ------------------------------------------------------------- bounds
-    def _whole(self, kind: Kind, b: int, sp: bool, q: int) -> tuple[float, float, float]:
-        """(work per micro-batch of the whole model, all parameters, activation bytes) on one kind."""
-        key = (kind, b, sp and kind.tp > 1, q)
-        hit = self._work.get(key)
-        if hit is None:
-            t = self.tables.table(kind, b, sp)
-            L = self.L
-            work = t.cum_forward[L] + t.cum_backward_input[q, L] + t.cum_backward_weight[L]
-            hit = self._work[key] = (float(work), float(t.cum_params[L]), float(t.cum_activation[self.q_lean, L]))
-        return hit
-
-    def time_bound(self, sk: Skeleton, st: Setting) -> float:
-        """Lower bound on the closed-form time of any split of ``sk`` under ``st``: the
-        fastest allowed recompute, work spread in proportion to each group's speed."""
-        works = [self._whole(k, st.micro_batch, st.sequence_parallel, self.q_fast)[0] for k in sk.kinds]
-        period = 1.0 / sum(1.0 / w for w in works)
-        total = min(works)
-        m, v = st.num_micro_batches, st.virtual_stages
-        if sk.pp == 1:
-            return m * total
-        if st.schedule == "gpipe":
-            return total + (m - 1) * period
-        if st.schedule == "zero-bubble":
-            return m * period
-        return (m - 1.0 / v) * period + total / v
-
     def memory_bound_ok(self, sk: Skeleton, st: Setting) -> bool:
         """False when even a perfect spread of states and activations cannot fit (one
         device kind only; mixed pipelines are sized by the placement model)."""
         if len(set(sk.kinds)) != 1:
             return True
         kind = sk.kinds[0]
-        _, params, act = self._whole(kind, st.micro_batch, st.sequence_parallel, self.q_lean)
+        summ = self.bounds.summary(kind, st.micro_batch, st.sequence_parallel)
+        params, act = summ.params, summ.act_lean
         states = self.tables.state_bytes(params, 0.0, sk.dp, st.zero)
-        P = sk.pp
-        fl = inflight(st.schedule, P, st.num_micro_batches, st.virtual_stages)
+        P, m = sk.pp, st.num_micro_batches
         if st.virtual_stages == 1:
-            counts = [fl.per_chunk[g][0] for g in range(P)]
+            # GPipe holds every micro-batch; 1F1B holds pp - g on rank g, and zero-bubble
+            # holds at least that many (it releases at the later weight-gradient pass).
+            counts = [m] * P if st.schedule == "gpipe" else [min(P - g, m) for g in range(P)]
             need = max(states / P, act / sum(1.0 / n for n in counts),
                        (states + min(counts) * act) / P)
         else:
@@ -229,22 +217,8 @@ class _Search:
             stats.phase_s["placement"] = time.perf_counter() - t0
 
             t0 = time.perf_counter()
-            configs: list[_Config] = []
-            self.progress.phase("enumerate", len(skeletons))
-            for si, sk in enumerate(skeletons):
-                for st in self.settings(sk):
-                    stats.candidates += 1
-                    if not self.memory_bound_ok(sk, st):
-                        stats.pruned_memory_bound += 1
-                        continue
-                    configs.append(_Config(self.time_bound(sk, st), len(configs), si, st))
-                self.progress.step()
-            configs.sort()
-            stats.phase_s["enumerate"] = time.perf_counter() - t0
-
-            t0 = time.perf_counter()
-            short = self._branch_and_bound(configs, skeletons)
-            stats.phase_s["split"] = time.perf_counter() - t0
+            short = self._best_first(skeletons)
+            stats.phase_s["split"] = time.perf_counter() - t0 - stats.phase_s.get("bounds", 0.0)
             stats.splits = self.splitter.runs
             stats.shortlisted = len(short)
             if not short:
@@ -261,33 +235,197 @@ class _Search:
         return SearchResult(ranked=ranked, stats=stats, cluster=self.cluster, model_name=self.model.name,
                             global_batch=self.gb)
 
-    def _branch_and_bound(self, configs: list[_Config], skeletons: list[Skeleton]) -> list[tuple]:
+    def _count(self, sk: Skeleton) -> int:
+        """Candidates of a skeleton (what settings() yields, times its ZeRO stages)."""
+        P, dp = sk.pp, sk.dp
+        n_sp = len(self.c.sequence_parallel) if any(k.tp > 1 for k in sk.kinds) else 1
+        n_zero = len(self.c.zero) if dp > 1 else 1
+        total = 0
+        for b in self.mb_options(dp):
+            m = self.gb // (dp * b)
+            for sched in self.schedules(P):
+                if sched == "interleaved-1f1b":
+                    if P == 1 or m % P:
+                        continue
+                    vs = self.c.virtual_stages or range(2, self.c.max_virtual_stages + 1)
+                    total += sum(1 for v in vs if v >= 2 and P * v <= self.L)
+                else:
+                    total += 1
+        return total * n_sp * n_zero
+
+    def _best_first(self, skeletons: list[Skeleton]) -> list[tuple]:
+        """Branch and bound over (skeleton, setting) in increasing order of the time bound.
+
+        Skeletons enter with a bound valid for all their settings (the whole model's work
+        spread over the groups, at the most efficient micro-batch); a skeleton's settings
+        are only enumerated and bounded once that bound is the smallest left, so meshes
+        that cannot beat the shortlist are never expanded. Each candidate then gets its
+        split from the DP, with a period limit derived from the current shortlist."""
         keep = self.c.max_estimates
-        heap: list[tuple] = []       # (-time, -order, candidate): the worst on top
-        self.progress.phase("split", len(configs))
-        for i, cfg in enumerate(configs):
-            if len(heap) >= keep and cfg.bound >= -heap[0][0]:
-                self.stats.pruned_time_bound += len(configs) - i
+        stats = self.stats
+        self.trace = []
+        t_bounds = time.perf_counter()
+        order = sorted((self.bounds.skeleton_bound(si, sk, self.mb_options(sk.dp), self.c.sequence_parallel), si)
+                       for si, sk in enumerate(skeletons))
+        sizes = [self._count(sk) for sk in skeletons]
+        stats.candidates = sum(sizes)
+        bounds_s = time.perf_counter() - t_bounds
+        pending: list[tuple] = []     # (bound, counter, skeleton, setting, zeros)
+        shortlist: list[tuple] = []   # (-time, -order, candidate): the worst on top
+        counter = 0
+        next_sk = 0
+        examined = 0
+        self.progress.phase("split", stats.candidates)
+
+        def threshold() -> float:
+            return -shortlist[0][0] if len(shortlist) >= keep else INF
+
+        while True:
+            sk_bound = order[next_sk][0] if next_sk < len(order) else INF
+            cfg_bound = pending[0][0] if pending else INF
+            if min(sk_bound, cfg_bound) >= threshold() or min(sk_bound, cfg_bound) == INF:
                 break
-            self.progress.step()
-            sk = skeletons[cfg.skeleton]
-            split = self.splitter.split(sk, cfg.setting, self.modes)
-            if split is None:
-                self.stats.pruned_no_split += 1
+            if sk_bound <= cfg_bound:
+                # Expand the skeleton: bound each of its settings.
+                t = time.perf_counter()
+                si = order[next_sk][1]
+                next_sk += 1
+                sk = skeletons[si]
+                for st, zeros in self.settings(sk):
+                    bound = self.bounds.time_bound(si, sk, st)
+                    if bound == INF:
+                        stats.pruned_memory_bound += len(zeros)
+                        self.progress.step(len(zeros))
+                        continue
+                    heapq.heappush(pending, (bound, counter, si, st, zeros))
+                    counter += 1
+                bounds_s += time.perf_counter() - t
                 continue
-            analysis, _ = analyze(self.tables, sk, cfg.setting, split.bounds, split.recompute)
-            if not analysis.fits:
-                # Interleaved chunks share one memory; the DP's per-chunk budget is a
-                # sufficient split, the exact joint peak decides.
-                self.stats.pruned_no_split += 1
-                continue
-            cand = Candidate(sk, cfg.setting, split.bounds, split.recompute, analysis)
-            item = (-analysis.time_s, -cfg.order, cand)
-            if len(heap) < keep:
-                heapq.heappush(heap, item)
-            elif item > heap[0]:
-                heapq.heapreplace(heap, item)
-        return sorted(((-t, -o, cand) for t, o, cand in heap), key=lambda x: (x[0], x[1]))
+            bound, cnt, si, st0, zeros = heapq.heappop(pending)
+            sk = skeletons[si]
+            for zi, z in enumerate(zeros):
+                examined += 1
+                self.progress.step()
+                st = replace(st0, zero=z)
+                if z != zeros[-1] and not self.memory_bound_ok(sk, st):
+                    stats.pruned_memory_bound += 1
+                    continue
+                # No stage may be slower than what could still beat the shortlist.
+                limit = INF
+                if len(shortlist) >= keep:
+                    m = st.num_micro_batches
+                    denom = m if st.schedule == "zero-bubble" else m - 1
+                    limit = threshold() / denom if denom > 0 else INF
+                best = self._split(sk, st, limit, threshold())
+                if best is None:
+                    stats.pruned_no_split += 1
+                    continue
+                split, analysis = best
+                cand = Candidate(sk, st, split.bounds, split.recompute, analysis)
+                self.trace.append((bound, analysis.time_s, sk, st, split))
+                item = (-analysis.time_s, -(cnt * 4 + zi), cand)
+                if len(shortlist) < keep:
+                    heapq.heappush(shortlist, item)
+                elif item > shortlist[0]:
+                    heapq.heapreplace(shortlist, item)
+        stats.pruned_time_bound = stats.candidates - examined - stats.pruned_memory_bound
+        stats.phase_s["bounds"] = bounds_s
+        return sorted(((-t, -o, cand) for t, o, cand in shortlist), key=lambda x: (x[0], x[1]))
+
+    def _split(self, sk: Skeleton, st: Setting, limit: float, threshold: float = INF):
+        """(split, analysis) of the best fitting split found, or None. Interleaved chunks
+        share their group's memory, so their DP works on per-chunk targets and the exact
+        joint peak decides; the group-balanced split competes with the DP's."""
+        if st.virtual_stages == 1:
+            tries = [lambda: self.splitter.split(sk, st, self.modes, period_limit=limit)]
+        else:
+            tries = [lambda: self.splitter.split(sk, st, self.modes, period_limit=limit, joint=True),
+                     lambda: self.splitter.balanced_interleave(sk, st, self.modes)]
+        best = None
+        for attempt in (tries, [lambda: self.splitter.split(sk, st, self.modes, period_limit=limit)]):
+            for make in attempt:
+                split = make()
+                if split is None:
+                    continue
+                analysis, _ = analyze(self.tables, sk, st, split.bounds, split.recompute)
+                if analysis.fits and (best is None or analysis.time_s < best[1].time_s):
+                    best = (split, analysis)
+            if best is not None or st.virtual_stages == 1:
+                break
+        if best is None and st.virtual_stages > 1:
+            # Chunks share one memory and the DPs' per-chunk budgets are conservative: the
+            # leanest split (balanced for memory instead of time) may still fit exactly.
+            for joint in (True, False):
+                split = self.splitter.split(sk, st, self.modes, objective="memory", joint=joint)
+                if split is not None:
+                    analysis, _ = analyze(self.tables, sk, st, split.bounds, split.recompute)
+                    if analysis.fits:
+                        best = (split, analysis)
+                        break
+        if best is not None and simulated(st, sk.pp) and program_actions(st, sk.pp) <= REFINE_ACTIONS \
+                and self.refine_left > 0 and best[1].time_s < REFINE_WINDOW * threshold:
+            best = self._refine(sk, st, *best)
+        return best
+
+    def _refine(self, sk: Skeleton, st: Setting, split: Split, analysis, budget: int = 200):
+        """Local search around the DP's split for short programs, which are timed by exact
+        simulation: there the fill and drain, which the DP's period-first objective only
+        approximates, decide. Moves: shift a run of consecutive stage boundaries by one
+        unit (one boundary, or several together, which moves a unit across stages), or
+        change one stage's recompute mode; take the first improving move, repeat
+        (deterministic)."""
+        bounds, rec = list(split.bounds), list(split.recompute)
+        best_t = analysis.time_s
+        tried = 0
+        improved = True
+        while improved and tried < budget and self.refine_left > 0:
+            improved = False
+            moves = []
+            cuts = [b for _, b in bounds[:-1]]
+            for j in range(len(cuts)):
+                for k in range(j, len(cuts)):
+                    for d in (-1, 1):
+                        moves.append(("shift", (j, k), d))
+            # A unit crossing a boundary can change what the two stages must recompute.
+            for j in range(len(cuts)):
+                for d in (-1, 1):
+                    for m1 in self.modes:
+                        for m2 in self.modes:
+                            if (m1, m2) != (rec[j], rec[j + 1]):
+                                moves.append(("shift+modes", (j, m1, m2), d))
+            for j in range(len(bounds)):
+                for mode in self.modes:
+                    if mode != rec[j]:
+                        moves.append(("mode", j, mode))
+            for mode in self.modes:
+                if any(r != mode for r in rec):
+                    moves.append(("all", None, mode))
+            for kind, j, arg in moves:
+                nb, nr = list(bounds), list(rec)
+                if kind == "shift+modes":
+                    jj, m1, m2 = j
+                    nr[jj], nr[jj + 1] = m1, m2
+                    j = (jj, jj)
+                if kind in ("shift", "shift+modes"):
+                    new_cuts = [c + arg if j[0] <= i <= j[1] else c for i, c in enumerate(cuts)]
+                    edges = [0] + new_cuts + [bounds[-1][1]]
+                    if any(b <= a for a, b in zip(edges, edges[1:])):
+                        continue
+                    nb = [(edges[i], edges[i + 1]) for i in range(len(bounds))]
+                elif kind == "all":
+                    nr = [arg] * len(rec)
+                else:
+                    nr[j] = arg
+                tried += 1
+                self.refine_left -= 1
+                a, _ = analyze(self.tables, sk, st, nb, nr)
+                if a.fits and a.time_s < best_t * (1 - 1e-12):
+                    bounds, rec, best_t, analysis = nb, nr, a.time_s, a
+                    improved = True
+                    break
+                if tried >= budget or self.refine_left <= 0:
+                    break
+        return Split(bounds=tuple(bounds), recompute=tuple(rec), period=split.period, total=split.total), analysis
 
     def _estimate(self, short: list[tuple]) -> list[RankedPlan]:
         budget = self.c.estimate_actions
@@ -302,7 +440,7 @@ class _Search:
                 break
             used += actions
             plan = cand.to_plan(self.model, self.dtype)
-            est = full_estimate(self.model, self.cluster, plan, profiles=self.c.profiles)
+            est = full_estimate(self.model, self.cluster, plan, self.options)
             self.stats.estimates += 1
             self.progress.step()
             if not est.fits:

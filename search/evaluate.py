@@ -180,11 +180,16 @@ def group_memory(tables: Tables, sk: Skeleton, st: Setting, figs: Sequence[Stage
     return out
 
 
-def pipeline_time(sk: Skeleton, st: Setting, figs: Sequence[StageFigures], tables: Tables) -> float:
-    """Closed-form iteration time (see the module docstring)."""
+def pipeline_time(sk: Skeleton, st: Setting, figs: Sequence[StageFigures], tables: Tables,
+                  blocking_p2p: bool = True, overlap_grad_reduce: bool = True) -> float:
+    """Closed-form iteration time (see the module docstring). With ``blocking_p2p`` a rank
+    is held by its own sends, so they count in its per-micro-batch time."""
     P, v, m = sk.pp, st.virtual_stages, st.num_micro_batches
     S = len(figs)
-    work = [f.forward + f.backward for f in figs]
+    if blocking_p2p:
+        work = [f.forward + f.backward + f.send_forward + f.send_backward for f in figs]
+    else:
+        work = [f.forward + f.backward for f in figs]
     per_rank = [sum(work[g::P]) for g in range(P)]
     tau = max(per_rank)
     total = sum(work)
@@ -196,8 +201,8 @@ def pipeline_time(sk: Skeleton, st: Setting, figs: Sequence[StageFigures], table
         bubble = max(0.0, sum(fill) - max(fill))
         pipe = m * tau + bubble + comm
     elif st.schedule == "gpipe" and P > 1:
-        fw = [f.forward for f in figs]
-        bw = [f.backward for f in figs]
+        fw = [f.forward + (f.send_forward if blocking_p2p else 0.0) for f in figs]
+        bw = [f.backward + (f.send_backward if blocking_p2p else 0.0) for f in figs]
         pipe = sum(fw) + (m - 1) * max(fw) + sum(bw) + (m - 1) * max(bw) + comm
     else:
         # 1F1B; interleaving divides the fill/drain by v (Narayanan et al. 2021, §2.2).
@@ -215,7 +220,8 @@ def pipeline_time(sk: Skeleton, st: Setting, figs: Sequence[StageFigures], table
         reduce = sum(f.grad_reduce for f in figs[g::P])
         exposed = 0.0
         if reduce > 0:
-            exposed = max(reduce - tail_action, last.grad_reduce / max(last.units, 1))
+            exposed = (max(reduce - tail_action, last.grad_reduce / max(last.units, 1))
+                       if overlap_grad_reduce else reduce)
         params = sum(f.params for f in figs[g::P])
         group = sk.groups[g]
         opt = params / (group.dp if st.zero >= 1 else 1) * tables.optimizer_rate(sk.kinds[g].pool)
@@ -225,13 +231,74 @@ def pipeline_time(sk: Skeleton, st: Setting, figs: Sequence[StageFigures], table
     return end
 
 
+SIM_ACTIONS = 1024
+"""Schedule programs of at most this many actions, with fewer than two micro-batches per
+pipeline rank, are simulated exactly (the cost model's own event simulation, a few
+milliseconds) instead of timed by the closed form: there the fill and drain dominate and
+the closed form is too coarse (with more micro-batches it is within a few percent)."""
+
+
+SIM_ALWAYS = 256
+"""Programs this short are always simulated: it costs well under a millisecond."""
+
+
+def program_actions(st: Setting, pp: int) -> int:
+    """Compute actions of the schedule program of ``pp`` groups under ``st``."""
+    return pp * st.virtual_stages * st.num_micro_batches * (3 if st.schedule == "zero-bubble" else 2)
+
+
+def simulated(st: Setting, pp: int) -> bool:
+    """Whether candidates of this shape are timed by simulation (see SIM_ACTIONS)."""
+    if pp == 1:
+        return False        # no pipeline: the closed form is exact
+    actions = program_actions(st, pp)
+    return actions <= SIM_ALWAYS or (st.num_micro_batches < 2 * pp * st.virtual_stages and actions <= SIM_ACTIONS)
+
+
+def _tails(tables: Tables, sk: Skeleton, st: Setting, figs: Sequence[StageFigures]) -> tuple[list, list]:
+    """Per group: (optimizer step, exposed ZeRO-1/2 parameter all-gather), as the cost model."""
+    opt, post = [], []
+    for g in range(sk.pp):
+        params = sum(f.params for f in figs[g::sk.pp])
+        group = sk.groups[g]
+        opt.append(params / (group.dp if st.zero >= 1 else 1) * tables.optimizer_rate(sk.kinds[g].pool))
+        post.append(tables.dp_collective(group, params * tables.weight_bytes, "all_gather")
+                    if st.zero in (1, 2) and group.dp > 1 else 0.0)
+    return opt, post
+
+
+def simulated_time(tables: Tables, sk: Skeleton, st: Setting, figs: Sequence[StageFigures]) -> float:
+    """Iteration time from the cost model's event simulation of the schedule program, with
+    the stage costs computed here (identical to ``costmodel.estimate``'s)."""
+    from autoplan.schedule import build_program
+    from costmodel.simulate import StageCosts, simulate
+
+    stages = tuple(Stage(start=0, end=1, group=j % sk.pp) for j in range(len(figs)))
+    plan = Plan(groups=sk.groups, stages=stages, micro_batch=st.micro_batch,
+                num_micro_batches=st.num_micro_batches, schedule=st.schedule, virtual_stages=st.virtual_stages)
+    costs = [StageCosts(forward=f.forward, backward=f.backward, backward_input=f.backward_input,
+                        backward_weight=f.backward_weight, send_forward=f.send_forward,
+                        send_backward=f.send_backward, activation_bytes=f.activation,
+                        grad_reduce=f.grad_reduce, layers=f.units) for f in figs]
+    opt, post = _tails(tables, sk, st, figs)
+    opts = tables.options
+    return simulate(build_program(plan), costs, opt, opts.overlap_grad_reduce, post,
+                    blocking_p2p=opts.blocking_p2p).iteration_time
+
+
 def analyze(tables: Tables, sk: Skeleton, st: Setting, bounds, recompute) -> tuple[Analysis, list]:
-    """Fast-model time and memory of a candidate."""
+    """Fast-model time and memory of a candidate: exact simulation for short programs,
+    the closed form otherwise."""
     figs = stage_figures(tables, sk, st, bounds, recompute)
     mem = group_memory(tables, sk, st, figs)
     caps = [tables.cluster.groups[k.pool].device.memory_bytes for k in sk.kinds]
     fits = all(x <= c for x, c in zip(mem, caps))
-    return Analysis(time_s=pipeline_time(sk, st, figs, tables), memory=tuple(mem), fits=fits), figs
+    opts = tables.options
+    if simulated(st, sk.pp):
+        time_s = simulated_time(tables, sk, st, figs)
+    else:
+        time_s = pipeline_time(sk, st, figs, tables, opts.blocking_p2p, opts.overlap_grad_reduce)
+    return Analysis(time_s=time_s, memory=tuple(mem), fits=fits), figs
 
 
 __all__ = ["Skeleton", "Setting", "Candidate", "Analysis", "StageFigures", "stage_figures",

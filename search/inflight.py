@@ -31,6 +31,10 @@ class Inflight:
     per_chunk: tuple[tuple[int, ...], ...]
     """per_chunk[g][c]: the most micro-batches chunk c of rank g ever holds (an upper
     bound that separates by chunk, for the layer-split DP)."""
+    joint: tuple[tuple[int, ...], ...] = ()
+    """joint[g]: the count vector of rank g's peak when its chunks are equally large (the
+    peak vector with the most micro-batches in all); a tighter per-chunk target for the
+    DP than ``per_chunk``, exact for balanced chunks."""
 
     def peak_bytes(self, g: int, chunk_bytes) -> float:
         """Exact peak activation bytes of rank ``g`` given each chunk's bytes per micro-batch."""
@@ -51,14 +55,17 @@ def inflight(schedule: str, pp: int, num_micro_batches: int, virtual_stages: int
     and ``virtual_stages`` chunks per rank."""
     m, v = num_micro_batches, virtual_stages
     if schedule == "gpipe":
-        return Inflight(peaks=tuple(((m,),) for _ in range(pp)), per_chunk=tuple((m,) for _ in range(pp)))
+        return Inflight(peaks=tuple(((m,),) for _ in range(pp)), per_chunk=tuple((m,) for _ in range(pp)),
+                        joint=tuple((m,) for _ in range(pp)))
     if schedule == "1f1b" or pp == 1:
         n = [min(pp - g, m) for g in range(pp)]
-        return Inflight(peaks=tuple(((k,),) for k in n), per_chunk=tuple((k,) for k in n))
-    # Interleaved and zero-bubble: read the peaks off the program itself. Three rounds of
-    # pp micro-batches cover warm-up, one steady round and cool-down (the counts are flat
-    # after that; checked by the tests), and keep m a multiple of pp as interleaving needs.
-    m_short = min(m, 3 * pp)
+        return Inflight(peaks=tuple(((k,),) for k in n), per_chunk=tuple((k,) for k in n),
+                        joint=tuple((k,) for k in n))
+    # Interleaved and zero-bubble: read the peaks off the program itself, on a shorter
+    # program with the same warm-up and cool-down (the counts are flat beyond it; the
+    # tests check this against long programs): zero-bubble's warm-up is pp deep, and
+    # interleaving needs m to stay a multiple of pp.
+    m_short = min(m, 2 * pp) if schedule == "interleaved-1f1b" else min(m, pp + 2)
     groups = tuple(DeviceGroup(ranks=(g,), tp=1) for g in range(pp))
     stages = tuple(Stage(start=j, end=j + 1, group=j % pp) for j in range(pp * v))
     plan = Plan(groups=groups, stages=stages, micro_batch=1, num_micro_batches=m_short,
@@ -70,14 +77,21 @@ def inflight(schedule: str, pp: int, num_micro_batches: int, virtual_stages: int
         states: set[tuple[int, ...]] = set()
         top = [0] * v
         release = "W" if program.split_backward else "B"
+        rising = False
         for a in actions:
             c = a.stage // pp
             if a.kind == "F":
                 count[c] += 1
-                states.add(tuple(count))
                 top[c] = max(top[c], count[c])
+                rising = True
             elif a.kind == release:
+                if rising:          # only a forward followed by a release can be a peak
+                    states.add(tuple(count))
+                    rising = False
                 count[c] -= 1
+        if rising:
+            states.add(tuple(count))
         peaks.append(_pareto(states))
         per_chunk.append(tuple(top))
-    return Inflight(peaks=tuple(peaks), per_chunk=tuple(per_chunk))
+    joint = tuple(max(p, key=lambda vec: (sum(vec), vec)) for p in peaks)
+    return Inflight(peaks=tuple(peaks), per_chunk=tuple(per_chunk), joint=joint)

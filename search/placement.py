@@ -26,6 +26,7 @@ model exactly for every schedule and setting on the device-group sequence found 
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 from ortools.sat.python import cp_model
@@ -96,8 +97,26 @@ def place(tables: Tables, *, dp: int, micro_batch: int, num_micro_batches: int, 
           kinds: list[Kind], zeros: list[int], modes: list[str], max_stages: int, use_all_gpus: bool,
           alternatives: int, det_time_limit: float, seed: int, stats: PlacementStats) -> list[Skeleton]:
     """Device-group sequences for one (dp, micro-batch): the CP-SAT optimum and up to
-    ``alternatives - 1`` next-best distinct sequences (each excluded by a no-good cut)."""
-    import time
+    ``alternatives - 1`` next-best distinct sequences (each excluded by a no-good cut).
+
+    Solved twice when ZeRO-3 is allowed with data parallelism: sized with the leanest
+    ZeRO stage short of 3 (ZeRO 0-2 cost the same time here), and with ZeRO-3 (which
+    fits more per device but gathers parameters every micro-batch)."""
+    lean = [z for z in zeros if z < 3 or dp == 1]
+    tries = ([max(lean)] if lean else []) + ([3] if 3 in zeros and dp > 1 else [])
+    out: list[Skeleton] = []
+    for z in tries:
+        found = _place(tables, dp=dp, micro_batch=micro_batch, num_micro_batches=num_micro_batches,
+                       sequence_parallel=sequence_parallel, kinds=kinds, zero=z, modes=modes,
+                       max_stages=max_stages, use_all_gpus=use_all_gpus, alternatives=alternatives,
+                       det_time_limit=det_time_limit, seed=seed, stats=stats)
+        out += [sk for sk in found if all(sk.groups != o.groups for o in out)]
+    return out
+
+
+def _place(tables: Tables, *, dp: int, micro_batch: int, num_micro_batches: int, sequence_parallel: bool,
+           kinds: list[Kind], zero: int, modes: list[str], max_stages: int, use_all_gpus: bool,
+           alternatives: int, det_time_limit: float, seed: int, stats: PlacementStats) -> list[Skeleton]:
     model, cluster = tables.model, tables.cluster
     L = model.num_layers
     lead, tail = _ends(model)
@@ -107,44 +126,53 @@ def place(tables: Tables, *, dp: int, micro_batch: int, num_micro_batches: int, 
     m, b, w = num_micro_batches, micro_batch, tables.weight_bytes
     qs = [RECOMPUTES.index(x) for x in modes]
     body = slice(lead, L - tail)
+    z3 = zero >= 3 and dp > 1
+    per_param = (w / (dp if zero >= 3 else 1) + GRAD_BYTES_PER_PARAM / (dp if zero >= 2 else 1)
+                 + 12.0 / (dp if zero >= 1 else 1))
+    pools = sorted({kd.pool for kd in kinds})
 
     # ---- per-kind coefficients (averages over the body's units; the DP is exact later)
     K = range(len(kinds))
-    T, E, H, Pb, Pe, Ph, A, Ae, Ah, TR, Z3W, cap = ({} for _ in range(12))
+    T, A = {}, {}
+    E, H, Ae, Ah, SB, SE, SH, TR, TRH, cap, N, OPT = ({} for _ in range(12))
     for gi, kind in enumerate(kinds):
         t = tables.table(kind, b, sequence_parallel)
+        extra = 0.0
+        if z3:
+            # ZeRO-3 gathers every unit's parameters and scatters its gradients per
+            # micro-batch over the node group's network (a sketch of the per-stage cost).
+            ng = cluster.groups[kind.pool]
+            nic = cluster.nic(kind.pool).bandwidth * default_efficiency(ng.device.name).network
+            extra = float(t.params[body].mean()) * (w + GRAD_BYTES_PER_PARAM) / nic
         for q in qs:
             unit = t.forward + t.backward_input[q] + t.backward_weight
-            T[gi, q] = float(unit[body].mean())
+            T[gi, q] = float(unit[body].mean()) + extra
             A[gi, q] = float(t.activation[q][body].mean())
-            Ae[gi, q] = float(t.activation[q][0]) if lead else 0.0
-            Ah[gi, q] = float(t.activation[q][L - 1]) if tail else 0.0
-        unit0 = t.forward + t.backward_input[0] + t.backward_weight
+        unit0 = t.forward + t.backward_input[qs[0]] + t.backward_weight
         E[gi] = float(unit0[0]) if lead else 0.0
         H[gi] = float(unit0[L - 1]) if tail else 0.0
-        Pb[gi] = float(t.params[body].mean())
-        Pe[gi] = float(t.params[0]) if lead else 0.0
-        Ph[gi] = float(t.params[L - 1]) if tail else 0.0
-        TR[gi] = float(t.transient[qs].max())
-        Z3W[gi] = 2 * float(t.params.max()) * w
+        Ae[gi] = float(t.activation[qs[-1]][0]) if lead else 0.0
+        Ah[gi] = float(t.activation[qs[-1]][L - 1]) if tail else 0.0
+        SB[gi] = float(t.params[body].mean()) * per_param
+        # After the last backward a stage still steps its optimizer (on its ZeRO shard)
+        # and exposes part of its gradient reduction: per body unit, on this kind.
+        unit_params = float(t.params[body].mean())
+        OPT[gi] = unit_params / (dp if zero >= 1 else 1) * tables.optimizer_rate(kind.pool)
+        SE[gi] = float(t.params[0]) * per_param if lead else 0.0
+        SH[gi] = float(t.params[L - 1]) * per_param if tail else 0.0
+        # Transients (optimistic: the mode with the smaller one): the body's largest for
+        # any stage, the head's (logits gradients) only on the last.
+        z3w = 2 * float(t.params.max()) * w if z3 else 0.0
+        TR[gi] = min(float(t.transient[q][body].max()) for q in qs) + z3w
+        TRH[gi] = (min(float(t.transient[q][L - 1]) for q in qs) if tail else 0.0) + z3w
         cap[gi] = (cluster.groups[kind.pool].device.memory_bytes - OVERHEAD) / DYNAMIC_FACTOR
+        N[gi] = min(cluster.groups[kind.pool].num_gpus // (dp * kind.tp), max_stages, nb)
 
-    def state_per_param(z: int) -> float:
-        return (w / (dp if z >= 3 else 1) + GRAD_BYTES_PER_PARAM / (dp if z >= 2 else 1)
-                + 12.0 / (dp if z >= 1 else 1))
-
-    # ZeRO-3 gathers per unit (a per-stage effect spread over its units: a sketch only).
-    def z3_extra(gi: int, q: int) -> float:
-        if dp <= 1:
-            return 0.0
-        dev = cluster.groups[kinds[gi].pool]
-        nic = cluster.nic(kinds[gi].pool).bandwidth * default_efficiency(dev.device.name).network
-        return Pb[gi] * (w + GRAD_BYTES_PER_PARAM) / nic
-
-    # Integer scaling: times to ~1e5 units per body-on-the-fastest-kind, bytes to ~1e6 per device.
-    t_scale = 1e5 / max(min(T[gi, qs[0]] for gi in K) * nb, 1e-12)
-    m_scale = 1e6 / max(cap.values())
-    S = max(1, min(max_stages, nb))
+    # Integer scaling: times to ~1e4 units for the whole body on the fastest kind, bytes
+    # to ~1e5 per device (coarse on purpose: small coefficients keep CP-SAT fast, and
+    # the DP re-splits exactly).
+    t_scale = 1e4 / max(min(T[gi, qs[0]] for gi in K) * nb, 1e-12)
+    m_scale = 1e5 / max(cap.values())
 
     def ti(x: float) -> int:
         return int(round(x * t_scale))
@@ -152,83 +180,123 @@ def place(tables: Tables, *, dp: int, micro_batch: int, num_micro_batches: int, 
     def mi(x: float) -> int:
         return int(round(x * m_scale))
 
-    # A hop between node groups crosses the slowest NIC of the two; tp ranks send in parallel.
+    # A hop between node groups crosses the slower NIC of the two; tp ranks send in parallel.
     out_bytes = b * float(max(l.output_bytes for l in model.layers))
     nics = [cluster.nic(k.pool) for k in kinds]
     hop = max(n.latency for n in nics) + out_bytes / min(k.tp for k in kinds) / (
         min(n.bandwidth for n in nics) * 0.85)
+    S_max = min(max_stages, nb)
 
     found: list[Skeleton] = []
     cuts: list[list] = []
     for _ in range(max(1, alternatives)):
         mdl = cp_model.CpModel()
-        x = {(i, g): mdl.NewBoolVar(f"x{i}_{g}") for i in range(S) for g in K}
-        r = {(i, q): mdl.NewBoolVar(f"r{i}_{q}") for i in range(S) for q in qs}
-        y = {(i, g, q): mdl.NewIntVar(0, nb, f"y{i}_{g}_{q}") for i in range(S) for g in K for q in qs}
-        act = [sum(x[i, g] for g in K) for i in range(S)]
-        for i in range(S):
-            mdl.Add(act[i] <= 1)
-            if i + 1 < S:
-                mdl.Add(act[i] >= act[i + 1])
-            mdl.Add(sum(r[i, q] for q in qs) == act[i])
-            for g in K:
-                for q in qs:
-                    mdl.Add(y[i, g, q] <= nb * x[i, g])
-                    mdl.Add(y[i, g, q] <= nb * r[i, q])
-            mdl.Add(sum(y[i, g, q] for g in K for q in qs) >= act[i])
-        mdl.Add(act[0] == 1)
-        mdl.Add(sum(y.values()) == nb)
-        first = [act[i] - (act[i + 1] if i + 1 < S else 0) for i in range(S)]
-        xf = {}
-        for i in range(S):
-            for g in K:
-                v = mdl.NewBoolVar(f"f{i}_{g}")
-                mdl.Add(v >= x[i, g] + first[i] - 1)
-                mdl.Add(v <= x[i, g])
-                mdl.AddImplication(v, x[i, g])
-                xf[i, g] = v
-                mdl.Add(v <= first[i])
-        for k in range(len(cluster.groups)):
-            use = sum(x[i, g] * dp * kinds[g].tp for i in range(S) for g in K if kinds[g].pool == k)
+        u = {g: mdl.NewBoolVar(f"u{g}") for g in K}                     # kind g forms a run
+        n = {g: mdl.NewIntVar(0, N[g], f"n{g}") for g in K}             # its device groups
+        c = {g: mdl.NewIntVar(0, nb, f"c{g}") for g in K}               # body units per stage
+        rho = {(g, q): mdl.NewBoolVar(f"rho{g}_{q}") for g in K for q in qs}
+        bare = {}
+        for g in K:
+            mdl.Add(n[g] >= u[g])
+            mdl.Add(n[g] <= N[g] * u[g])
+            # A run holds body units, except a single first (last) stage may hold only
+            # the embedding (head): that is how little a slow device can usefully take.
+            bare[g] = mdl.NewBoolVar(f"bare{g}")
+            mdl.Add(c[g] >= u[g] - bare[g])
+            mdl.Add(c[g] <= nb * u[g])
+            mdl.Add(sum(rho[g, q] for q in qs) == u[g])
+        used = {}
+        for k in pools:
+            mine = [g for g in K if kinds[g].pool == k]
+            used[k] = sum(u[g] for g in mine)
+            mdl.Add(used[k] <= 1)      # one run, one tp per node group
+            gpus = sum(n[g] * dp * kinds[g].tp for g in mine)
             if use_all_gpus:
-                mdl.Add(use == cluster.groups[k].num_gpus)
-            else:
-                mdl.Add(use <= cluster.groups[k].num_gpus)
-        zs = [z for z in zeros if dp > 1 or z == min(zeros)]
-        zeta = {z: mdl.NewBoolVar(f"z{z}") for z in zs}
-        mdl.AddExactlyOne(zeta.values())
-        horizon = ti(max(T[g, q] for g in K for q in qs) * nb + max(E.values()) + max(H.values())) * 4 + 10
+                mdl.Add(gpus == cluster.groups[k].num_gpus)
+        stages = sum(n.values())
+        mdl.Add(stages >= 1)
+        mdl.Add(stages <= S_max)
+        # nc[g] = n[g] * c[g]: units the run holds; together they cover the body.
+        nc = {}
+        for g in K:
+            nc[g] = mdl.NewIntVar(0, N[g] * nb, f"nc{g}")
+            mdl.AddMultiplicationEquality(nc[g], [n[g], c[g]])
+        mdl.Add(sum(nc.values()) >= nb)
+        # Order of the runs: before[k, l] = node group k's run precedes l's.
+        before = {}
+        for k in pools:
+            for l in pools:
+                if k < l:
+                    before[k, l] = mdl.NewBoolVar(f"b{k}_{l}")
+                    before[l, k] = before[k, l].Not()
+        for k in pools:
+            for l in pools:
+                for j in pools:
+                    if len({k, l, j}) == 3:
+                        mdl.AddBoolOr([before[k, l].Not(), before[l, j].Not(), before[k, j]])
+        npool = {k: sum(n[g] for g in K if kinds[g].pool == k) for k in pools}
+        # after[k]: stages behind node group k's run (they set its in-flight count).
+        after = {}
+        for k in pools:
+            terms = []
+            for l in pools:
+                if l == k:
+                    continue
+                z = mdl.NewIntVar(0, S_max, f"a{k}_{l}")
+                mdl.Add(z <= npool[l])
+                mdl.Add(z <= S_max * before[k, l])
+                mdl.Add(z >= npool[l] - S_max * (1 - before[k, l]))
+                terms.append(z)
+            after[k] = mdl.NewIntVar(0, S_max, f"after{k}")
+            mdl.Add(after[k] == sum(terms))
+        first, last = {}, {}
+        for k in pools:
+            # First run: every other used run comes after it; last: none does.
+            first[k] = mdl.NewBoolVar(f"first{k}")
+            last[k] = mdl.NewBoolVar(f"last{k}")
+            mdl.Add(after[k] == stages - npool[k]).OnlyEnforceIf(first[k])
+            mdl.Add(after[k] != stages - npool[k]).OnlyEnforceIf(first[k].Not())
+            mdl.Add(after[k] == 0).OnlyEnforceIf(last[k])
+            mdl.Add(after[k] >= 1).OnlyEnforceIf(last[k].Not())
+        for g in K:
+            k = kinds[g].pool
+            mdl.Add(n[g] == 1).OnlyEnforceIf(bare[g])
+            mdl.AddBoolOr([first[k], last[k]]).OnlyEnforceIf(bare[g])
+        horizon = ti(max(T[g, q] for g in K for q in qs) * nb + max(E.values()) + max(H.values())) + 10
         tau = mdl.NewIntVar(0, horizon, "tau")
-        tm = [mdl.NewIntVar(0, horizon, f"t{i}") for i in range(S)]
         big_t = horizon
-        for i in range(S):
-            n_i = min(i + 1, m)
-            for z in zs:
-                extra = {(g, q): (z3_extra(g, q) if z >= 3 else 0.0) for g in K for q in qs}
-                time_expr = (sum(ti(T[g, q] + extra[g, q]) * y[i, g, q] for g in K for q in qs)
-                             + sum(ti(E[g]) * xf[i, g] for g in K)
-                             + (sum(ti(H[g]) * x[i, g] for g in K) if i == 0 else 0))
-                mdl.Add(tm[i] >= time_expr - big_t * (1 - zeta[z]))
-                spp = state_per_param(z)
-                mem_expr = (sum(mi(Pb[g] * spp + n_i * A[g, q]) * y[i, g, q] for g in K for q in qs)
-                            + sum(mi(Pe[g] * spp + n_i * Ae[g, 0]) * xf[i, g] for g in K)
-                            + (sum(mi(Ph[g] * spp + n_i * Ah[g, 0]) * x[i, g] for g in K) if i == 0 else 0)
-                            + sum(mi(TR[g] + (Z3W[g] if z >= 3 and dp > 1 else 0.0)) * x[i, g] for g in K))
-                big_m = mi(max(cap.values())) * 4 + sum(mi(Pb[g] * spp + m * A[g, q]) * nb for g in K for q in qs)
-                mdl.Add(mem_expr <= sum(mi(cap[g]) * x[i, g] for g in K) + big_m * (1 - zeta[z]))
-            mdl.Add(tau >= tm[i])
-        pools = sorted({kd.pool for kd in kinds})
-        hops = []
-        for i in range(S - 1):
-            sw = mdl.NewBoolVar(f"sw{i}")
-            for k in pools:
-                here = sum(x[i, g] for g in K if kinds[g].pool == k)
-                there = sum(x[i + 1, g] for g in K if kinds[g].pool == k)
-                mdl.Add(sw >= here - there - (1 - act[i + 1]))
-            hops.append(sw)
-        mdl.Minimize((m - 1) * tau + sum(tm) + 2 * ti(hop) * sum(hops))
-        for cut in cuts:
-            mdl.AddBoolOr(cut)
+        for g in K:
+            k = kinds[g].pool
+            # In flight at the run's front stage under 1F1B: the stages from there to the end.
+            front = mdl.NewIntVar(0, S_max, f"front{g}")
+            mdl.AddMinEquality(front, [after[k] + n[g], m])
+            cf = mdl.NewIntVar(0, S_max * nb, f"cf{g}")
+            mdl.AddMultiplicationEquality(cf, [c[g], front])
+            for q in qs:
+                on = [rho[g, q]]
+                mdl.Add(tau >= ti(T[g, q]) * c[g] + ti(E[g]) * first[k] + ti(H[g]) * last[k]
+                        - big_t * (1 - rho[g, q]))
+                # The run's front stage (most in flight) and, for the last run, its last
+                # stage (the head's logits) must fit.
+                mdl.Add(mi(SB[g]) * c[g] + mi(A[g, q]) * cf + mi(SE[g]) * first[k] + mi(Ae[g]) * m * first[k]
+                        + mi(TR[g]) <= mi(cap[g])).OnlyEnforceIf(on)
+                mdl.Add(mi(SB[g] + A[g, q]) * c[g] + mi(SH[g] + Ah[g] + TRH[g]) * last[k] + mi(TR[g])
+                        <= mi(cap[g])).OnlyEnforceIf(on)
+        fill = sum(ti(T[g, qs[0]]) * nc[g] for g in K)
+        hops = sum(used.values()) - 1
+        # The iteration ends with the slowest stage's optimizer step.
+        tail = mdl.NewIntVar(0, horizon, "tail")
+        for g in K:
+            mdl.Add(tail >= ti(OPT[g]) * c[g])
+        mdl.Minimize((m - 1) * tau + fill + 2 * ti(hop) * hops + tail)
+        for sol in cuts:
+            # Not this same set of runs again: some kind switches on or off, or a count differs.
+            lits = [u[g] for g in K if g not in sol] + [u[g].Not() for g in sol]
+            for g, count in sol.items():
+                diff = mdl.NewBoolVar(f"d{g}_{count}")
+                mdl.Add(n[g] != count).OnlyEnforceIf(diff)
+                lits.append(diff)
+            mdl.AddBoolOr(lits)
         solver = cp_model.CpSolver()
         solver.parameters.num_workers = 1
         solver.parameters.random_seed = seed
@@ -243,15 +311,17 @@ def place(tables: Tables, *, dp: int, micro_batch: int, num_micro_batches: int, 
             if status == cp_model.INFEASIBLE:
                 stats.infeasible += 1
             break
-        seq = []
-        for i in reversed(range(S)):
-            for g in K:
-                if solver.Value(x[i, g]):
-                    seq.append(kinds[g])
-        sk = allocate(tables, dp, seq)
-        if sk is not None:
-            found.append(sk)
-        # Exclude this exact sequence of kinds and look for the next best.
-        cuts.append([x[i, g].Not() if solver.Value(x[i, g]) else x[i, g] for i in range(S) for g in K])
+        runs = [(solver.Value(after[kinds[g].pool]), g) for g in K if solver.Value(u[g])]
+        ordered = [g for _, g in sorted(runs, reverse=True)]
+        # The model orders runs only through memory (in-flight counts) and sizes them by
+        # averages; the DP judges orders exactly, so the reverse order is kept too (with
+        # two node groups that is every order).
+        orders = [ordered, ordered[::-1]] if len(ordered) > 1 else [ordered]
+        for order in orders:
+            seq = [kinds[g] for g in order for _ in range(solver.Value(n[g]))]
+            sk = allocate(tables, dp, seq)
+            if sk is not None and all(sk.groups != f.groups for f in found):
+                found.append(sk)
+        cuts.append({g: solver.Value(n[g]) for g in K if solver.Value(u[g])})
     stats.skeletons += len(found)
     return found

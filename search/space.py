@@ -44,23 +44,30 @@ class Constraints:
     use_all_gpus: bool = False
     """Require every GPU of the cluster to be used (by default fewer may win, and the
     result says so)."""
-    max_estimates: int = 48
+    max_estimates: int = 12
     """Most candidates handed to the full cost model (``costmodel.estimate``)."""
-    estimate_actions: int = 600_000
+    estimate_actions: int = 300_000
     """Budget of schedule actions (stages x micro-batches x passes) the full estimates may
     simulate in total; bounds their time for very long pipelines. Deterministic."""
-    placement_alternatives: int = 2
+    refine_evaluations: int = 1000
+    """Budget of exact simulations the split refinement may spend in one search (it runs
+    only for short schedule programs, where the DP's objective is approximate)."""
+    placement_alternatives: int = 3
     """Device-group sequences CP-SAT returns per (dp, micro-batch) on heterogeneous clusters."""
-    placement_time_limit: float = 2.0
+    placement_time_limit: float = 1.0
     """CP-SAT deterministic time limit per solve (roughly seconds)."""
-    max_stages: int = 64
-    """Longest pipeline CP-SAT considers on heterogeneous clusters."""
+    max_stages: int = 32
+    """Longest pipeline CP-SAT considers on heterogeneous clusters (its model has one slot
+    per possible stage; pass more to widen it, at a cost in placement time)."""
     seed: int = 0
     """CP-SAT random seed (with one worker, results are reproducible)."""
     progress: bool = True
     """Show a progress bar on stderr (only when it is a terminal)."""
     profiles: Any = None
     """Measured layer profiles passed to the cost model (None: catalog roofline)."""
+    options: Any = None
+    """``costmodel.EstimateOptions`` for every estimate (None: the cost model's defaults);
+    ``profiles``, when given, overrides its ``profiles`` field."""
 
     @classmethod
     def build(cls, **kwargs) -> "Constraints":
@@ -107,7 +114,7 @@ class Constraints:
                         raise ConfigError(k, f"must be True or False, got {x!r}")
                 out[k] = tuple(sorted(set(vals)))
             elif k in ("max_micro_batch", "max_virtual_stages", "max_estimates", "estimate_actions",
-                       "placement_alternatives", "max_stages"):
+                       "placement_alternatives", "max_stages", "refine_evaluations"):
                 if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                     raise ConfigError(k, f"must be a positive integer, got {v!r}")
                 out[k] = v
@@ -119,12 +126,25 @@ class Constraints:
                 if not isinstance(v, bool):
                     raise ConfigError(k, f"must be True or False, got {v!r}")
                 out[k] = v
+            elif k == "options":
+                from costmodel import EstimateOptions
+                if v is not None and not isinstance(v, EstimateOptions):
+                    raise ConfigError(k, f"must be a costmodel.EstimateOptions, got {type(v).__name__}")
+                out[k] = v
             else:
                 out[k] = v
         for k in ("schedules", "recompute", "zero", "sequence_parallel"):
             if k in out and not out[k]:
                 raise ConfigError(k, "must allow at least one value")
         return cls(**out)
+
+    def estimate_options(self):
+        """The cost model's options for this search."""
+        from dataclasses import replace
+
+        from costmodel import EstimateOptions
+        opts = self.options or EstimateOptions()
+        return replace(opts, profiles=self.profiles) if self.profiles is not None else opts
 
 
 def _tuple(v) -> tuple:

@@ -13,13 +13,21 @@ how each stage recomputes, so that
   the next thresholds.
 
 The cost of a stage on group ``g`` covering units ``[s, e)`` comes from
-:class:`~search.tables.LayerTable` prefix sums, for all ``(s, e)`` at once as
-``(units+1) x (units+1)`` matrices, so one DP step is a handful of numpy operations:
-``best_j[e] = min_s max(best_{j-1}[s], cost_j[s, e])``. Embedding and head are units
-like any other, so their cost lands on the first and last stage, whatever device runs it.
+:class:`~search.tables.LayerTable` prefix sums. The DP keeps, per stage, a band of
+``(units + 1) x K`` costs indexed by the stage's end ``e`` and length ``d`` (``K``: the
+longest stage that can still beat the caller's period limit), so one DP step is a few
+numpy operations: ``best_j[e] = min_d max(best_{j-1}[e - d], cost_j[e - d, e])``.
+Embedding and head are units like any other, so their cost lands on the first and last
+stage, whatever device runs it.
+
+Interleaved schedules (``v`` chunks per group) are balanced per *group*, not per
+chunk: besides the chunk DP, a water-filling split gives every group a share of the
+units in proportion to its speed and spreads it over the group's chunks; the caller
+keeps whichever the closed-form time prefers.
 """
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass
 
 import numpy as np
@@ -51,8 +59,10 @@ class Splitter:
 
     def __init__(self, tables: Tables):
         self.tables = tables
+        self.L = tables.model.num_layers
         self._time: dict = {}
         self._mem: dict = {}
+        self._band: dict = {}
         self.runs = 0
         """DP runs (for the search statistics)."""
 
@@ -62,7 +72,10 @@ class Splitter:
         recompute mode q, as the cost model composes them (ZeRO-3 gathers included)."""
         group, kind = sk.groups[g], sk.kinds[g]
         z3 = st.zero >= 3 and group.dp > 1
-        key = (kind, st.micro_batch, st.sequence_parallel and kind.tp > 1, group if z3 else None, z3)
+        # Under ZeRO-3 the cost depends on the group only through its collectives' costs.
+        comm = (self.tables.dp_affines(group, "all_gather"), self.tables.dp_affines(group, "reduce_scatter")) \
+            if z3 else None
+        key = (kind, st.micro_batch, st.sequence_parallel and kind.tp > 1, comm)
         hit = self._time.get(key)
         if hit is not None:
             return hit
@@ -102,104 +115,253 @@ class Splitter:
         self._mem[key] = (base, act)
         return base, act
 
+    def _index(self, K: int) -> tuple[np.ndarray, np.ndarray]:
+        """(start[e, d], valid[e, d]) for the band of stages ending at e with length d+1."""
+        hit = self._band.get(K)
+        if hit is None:
+            e = np.arange(self.L + 1)[:, None]
+            d = np.arange(1, K + 1)[None, :]
+            s = e - d
+            hit = self._band[K] = (np.maximum(s, 0), s >= 0)
+        return hit
+
     # --------------------------------------------------------------- DP
-    def split(self, sk: Skeleton, st: Setting, modes: tuple[str, ...], objective: str = "time") -> Split | None:
+    def split(self, sk: Skeleton, st: Setting, modes: tuple[str, ...], objective: str = "time",
+              period_limit: float = INF, joint: bool = False) -> Split | None:
         """Best split of the model over ``sk`` under ``st`` with per-stage recompute
-        chosen from ``modes``; None when no split fits in memory.
+        chosen from ``modes``; None when no split fits in memory (or none has every stage
+        under ``period_limit`` seconds per micro-batch, when one is given).
 
         ``objective="memory"`` instead minimizes the largest memory-to-capacity ratio
-        (used to report how far from fitting the leanest plan is)."""
+        (used to report how far from fitting the leanest plan is).
+
+        With v > 1 chunks per group, each chunk gets a share of its group's budget and an
+        in-flight count: the most it ever holds (``joint=False``, always sufficient) or its
+        count at the group's peak for equal chunks (``joint=True``, tighter; the caller
+        checks the exact joint peak)."""
         self.runs += 1
         P, v = sk.pp, st.virtual_stages
         S = P * v
-        L = self.tables.model.num_layers
+        L = self.L
         if S > L:
             return None
         fl = inflight(st.schedule, P, st.num_micro_batches, v)
         qs = [RECOMPUTES.index(m) for m in modes]
-        # Per stage: cost[s, e] (inf where it does not fit) and the recompute mode chosen.
+        K = L - S + 1
+        if objective == "time" and np.isfinite(period_limit):
+            # No stage may be longer than the shortest run of units that already exceeds
+            # the limit on the fastest group.
+            mats = {id(m): m for m in (self._time_mats(sk, g, st)[qs[0]] for g in range(P))}
+            fastest = np.minimum.reduce(list(mats.values()))
+            for d in range(1, K + 1):
+                idx = np.arange(0, L + 1 - d)
+                if fastest[idx, idx + d].min() > period_limit:
+                    K = d - 1
+                    break
+            if K < 1:
+                return None
+        start, valid = self._index(K)
+        ends = np.arange(L + 1)[:, None]
+        counts = fl.joint if joint else fl.per_chunk
+        shares = self._chunk_shares(sk, st, counts)
+        # Band views (stage ending at e with d + 1 units), shared by stages on equal groups.
+        bands: dict = {}
+
+        def band(mats: np.ndarray, fill: float) -> np.ndarray:
+            hit = bands.get(id(mats))
+            if hit is None:
+                hit = bands[id(mats)] = np.where(valid[None], mats[:, start, ends], fill)
+            return hit
+
+        # Per stage: cost[e, d] (inf where it does not fit) and the recompute mode chosen.
         costs, choices = [], []
         for j in range(S):
             g, chunk = j % P, j // P
             cap = self.tables.cluster.groups[sk.kinds[g].pool].device.memory_bytes
-            # With v chunks per group, each chunk gets 1/v of the group's budget (a
-            # conservative separation; the exact joint peak is checked afterwards).
-            budget = (cap - OVERHEAD) / DYNAMIC_FACTOR / v
-            n_inflight = fl.per_chunk[g][chunk]
-            tm = self._time_mats(sk, g, st)
-            base, act = self._mem_mats(sk, g, st)
-            best = np.full(tm.shape[1:], INF)
-            pick = np.zeros(tm.shape[1:], dtype=np.int8)
+            n_inflight = counts[g][chunk]
+            t_band = band(self._time_mats(sk, g, st), INF)
+            if v == 1:
+                budget = (cap - OVERHEAD) / DYNAMIC_FACTOR
+                base, act = self._mem_mats(sk, g, st)
+            else:
+                # A group's chunks share its memory, but its transient peak happens once:
+                # set aside the largest transient the group can see, split the rest.
+                budget = ((cap - OVERHEAD) / DYNAMIC_FACTOR - self._transient_reserve(sk, g, st, qs)) \
+                    * shares[g][chunk]
+                base, act = self._states_mats(sk, g, st)
+            base_band, act_band = band(base, 0.0), band(act, 0.0)
+            best = pick = None
             for q in qs:
-                need = base[q] + n_inflight * act[q]
+                need = base_band[q] + n_inflight * act_band[q]
                 if objective == "memory":
-                    val = np.where(np.isfinite(tm[q]), need / budget, INF)
+                    val = np.where(np.isfinite(t_band[q]), need / budget, INF)
                 else:
-                    val = np.where(need <= budget, tm[q], INF)
+                    val = np.where(need <= budget, t_band[q], INF)
+                    if np.isfinite(period_limit):
+                        val = np.where(val <= period_limit, val, INF)
+                if best is None:
+                    best, pick = val, np.full(val.shape, q, dtype=np.int8)
+                    continue
                 better = val < best
                 best = np.where(better, val, best)
                 pick = np.where(better, q, pick)
             costs.append(best)
             choices.append(pick)
-        res = _minmax(costs, L)
-        if res is None:
+        period = _minmax(costs, start, valid, L)
+        if period is None:
             return None
-        period, _ = res
         cands = [period]
         m = st.num_micro_batches
         if objective == "time" and m < 4 * P:
             # Few micro-batches: the fill (sum of stage times) weighs like a few periods,
             # so a slightly slower period with less total work can win.
             vals = np.unique(np.concatenate([c[np.isfinite(c) & (c > period)] for c in costs]))
-            cands += list(vals[:6])
+            cands += list(vals[:3])
         best_obj, best_split = INF, None
         for tau in cands:
-            found = _minsum(costs, L, tau)
+            found = _minsum(costs, start, valid, L, tau)
             if found is None:
                 continue
-            total, bounds = found
-            real_period = max(costs[j][a, b] for j, (a, b) in enumerate(bounds))
+            total, picks = found
+            bounds = [(e - d, e) for e, d in picks]
+            real_period = max(float(costs[j][e, d - 1]) for j, (e, d) in enumerate(picks))
             obj = (m - 1) * real_period + total if objective == "time" else real_period
             if obj < best_obj * (1 - 1e-12):
                 best_obj = obj
-                rec = tuple(RECOMPUTES[int(choices[j][a, b])] for j, (a, b) in enumerate(bounds))
+                rec = tuple(RECOMPUTES[int(choices[j][e, d - 1])] for j, (e, d) in enumerate(picks))
                 best_split = Split(bounds=tuple(bounds), recompute=rec, period=real_period, total=total)
         return best_split
 
+    def _states_mats(self, sk: Skeleton, g: int, st: Setting) -> tuple[np.ndarray, np.ndarray]:
+        """Like _mem_mats without the transient: (states[q, s, e], act[q, s, e])."""
+        group, kind = sk.groups[g], sk.kinds[g]
+        key = ("states", kind, st.micro_batch, st.sequence_parallel and kind.tp > 1, group.dp, st.zero)
+        hit = self._mem.get(key)
+        if hit is None:
+            t = self.tables.table(kind, st.micro_batch, st.sequence_parallel)
+            params = t.cum_params[None, :] - t.cum_params[:, None]
+            states = self.tables.state_bytes(params, t.max_params, group.dp, st.zero)
+            act = t.cum_activation[:, None, :] - t.cum_activation[:, :, None]
+            hit = self._mem[key] = (np.broadcast_to(states, act.shape), act)
+        return hit
 
-def _minmax(costs: list[np.ndarray], L: int) -> tuple[float, list] | None:
+    def _transient_reserve(self, sk: Skeleton, g: int, st: Setting, qs: list[int]) -> float:
+        """The largest transient a unit can cause on group g (the head's only on the group
+        that runs the last chunk), under the modes allowed."""
+        t = self.tables.table(sk.kinds[g], st.micro_batch, st.sequence_parallel)
+        holds_head = g == (sk.pp * st.virtual_stages - 1) % sk.pp
+        kinds = [l.kind for l in self.tables.model.layers]
+        units = [i for i in range(self.L) if holds_head or kinds[i] != "head"]
+        return float(t.transient[qs][:, units].max())
+
+    def _chunk_shares(self, sk: Skeleton, st: Setting, counts) -> list[list[float]]:
+        """Share of its group's memory budget each chunk may use. With v chunks per group
+        the budget is split in proportion to what an even chunk would need (its share of
+        the states plus its in-flight micro-batches of activations): chunk 0 holds the
+        most. A sufficient separation; the exact joint peak is checked afterwards."""
+        P, v = sk.pp, st.virtual_stages
+        if v == 1:
+            return [[1.0] for _ in range(P)]
+        out = []
+        for g in range(P):
+            t = self.tables.table(sk.kinds[g], st.micro_batch, st.sequence_parallel)
+            states = self.tables.state_bytes(float(t.cum_params[self.L]), 0.0, sk.dp, st.zero)
+            act = float(t.cum_activation[0, self.L])
+            w = [states + n * act for n in counts[g]]
+            out.append([x / sum(w) for x in w])
+        return out
+
+    # ------------------------------------------------- interleaved groups
+    def balanced_interleave(self, sk: Skeleton, st: Setting, modes: tuple[str, ...]) -> Split | None:
+        """Interleaved split balanced per group: water-fill the units over groups by
+        their speed (each group's time = its units x its per-unit time, plus embedding or
+        head), spread each group's units evenly over its chunks (later chunks, which hold
+        fewer micro-batches, take the remainder), and give each chunk the fastest
+        recompute mode whose memory fits its share of the group's budget."""
+        P, v = sk.pp, st.virtual_stages
+        S, L = P * v, self.L
+        kinds = [l.kind for l in self.tables.model.layers]
+        lead = 1 if kinds[0] == "embedding" else 0
+        tail = 1 if L - lead > 0 and kinds[-1] == "head" else 0
+        body = L - lead - tail
+        if body < S:
+            return None
+        qs = [RECOMPUTES.index(m) for m in modes]
+        unit, extra = [], []
+        for g in range(P):
+            tm = self._time_mats(sk, g, st)[qs[0]]
+            unit.append(float(tm[lead, L - tail]) / body)
+            extra.append((float(tm[0, lead]) if g == 0 and lead else 0.0)
+                         + (float(tm[L - tail, L]) if g == (S - 1) % P and tail else 0.0))
+        counts = [v] * P
+        heap = [(extra[g] + unit[g] * (v + 1), g) for g in range(P)]
+        heapq.heapify(heap)
+        for _ in range(body - v * P):
+            _, g = heapq.heappop(heap)
+            counts[g] += 1
+            heapq.heappush(heap, (extra[g] + unit[g] * (counts[g] + 1), g))
+        chunk_units = [0] * S
+        for g in range(P):
+            base, rem = divmod(counts[g], v)
+            for c in range(v):
+                chunk_units[c * P + g] = base + (1 if c >= v - rem else 0)
+        bounds, s = [], 0
+        for j in range(S):
+            e = s + chunk_units[j] + (lead if j == 0 else 0) + (tail if j == S - 1 else 0)
+            bounds.append((s, e))
+            s = e
+        fl = inflight(st.schedule, P, st.num_micro_batches, v)
+        shares = self._chunk_shares(sk, st, fl.joint)
+        rec, period, total = [], 0.0, 0.0
+        for j, (a, b) in enumerate(bounds):
+            g, chunk = j % P, j // P
+            cap = self.tables.cluster.groups[sk.kinds[g].pool].device.memory_bytes
+            budget = ((cap - OVERHEAD) / DYNAMIC_FACTOR - self._transient_reserve(sk, g, st, qs)) \
+                * shares[g][chunk]
+            base, act = self._states_mats(sk, g, st)
+            ok = [q for q in qs if base[q][a, b] + fl.joint[g][chunk] * act[q][a, b] <= budget]
+            if not ok:
+                return None
+            cost = float(self._time_mats(sk, g, st)[ok[0]][a, b])
+            rec.append(RECOMPUTES[ok[0]])
+            period, total = max(period, cost), total + cost
+        return Split(bounds=tuple(bounds), recompute=tuple(rec), period=period, total=total)
+
+
+def _minmax(costs: list[np.ndarray], start: np.ndarray, valid: np.ndarray, L: int) -> float | None:
     """Smallest achievable max_j cost_j over contiguous splits of L units into len(costs)
-    non-empty stages."""
+    non-empty stages (costs[j][e, d-1]: stage j ending at e with d units)."""
     best = np.full(L + 1, INF)
     best[0] = 0.0
     for c in costs:
-        m = np.maximum(best[:, None], c)
-        best = m.min(axis=0)
-    if not np.isfinite(best[L]):
-        return None
-    return float(best[L]), []
+        prev = np.where(valid, best[start], INF)
+        best = np.maximum(prev, c).min(axis=1)
+    return float(best[L]) if np.isfinite(best[L]) else None
 
 
-def _minsum(costs: list[np.ndarray], L: int, cap: float) -> tuple[float, list] | None:
-    """Smallest sum of stage costs with every stage at most ``cap``; returns (sum, bounds).
-    Ties go to the earliest boundary (np.argmin), so results are deterministic."""
+def _minsum(costs: list[np.ndarray], start: np.ndarray, valid: np.ndarray, L: int,
+            cap: float) -> tuple[float, list[tuple[int, int]]] | None:
+    """Smallest sum of stage costs with every stage at most ``cap``; returns (sum,
+    [(end, length)] per stage). Ties go to the shortest stage (np.argmin takes the first),
+    so results are deterministic."""
     limit = cap * (1 + 1e-9)
     best = np.full(L + 1, INF)
     best[0] = 0.0
     back = []
+    rows = np.arange(L + 1)
     for c in costs:
-        cc = np.where(c <= limit, c, INF)
-        m = best[:, None] + cc
-        arg = m.argmin(axis=0)
-        best = m[arg, np.arange(L + 1)]
+        prev = np.where(valid, best[start], INF)
+        tot = prev + np.where(c <= limit, c, INF)
+        arg = tot.argmin(axis=1)
+        best = tot[rows, arg]
         back.append(arg)
     if not np.isfinite(best[L]):
         return None
-    bounds = []
+    picks = []
     e = L
     for arg in reversed(back):
-        s = int(arg[e])
-        bounds.append((s, e))
-        e = s
-    bounds.reverse()
-    return float(best[L]), bounds
+        d = int(arg[e]) + 1
+        picks.append((e, d))
+        e -= d
+    picks.reverse()
+    return float(best[L]), picks

@@ -21,7 +21,7 @@ from autoplan.units import DTYPE_BYTES, GiB
 from costmodel.comm import collective_time, p2p_time
 from costmodel.compute import ProfileSource, layer_timing
 from costmodel.efficiency import default_efficiency
-from costmodel.estimate import ADAM_STEP_BYTES_PER_PARAM
+from costmodel.estimate import ADAM_STEP_BYTES_PER_PARAM, EstimateOptions
 from costmodel.memory import (FRAGMENTATION, FRAMEWORK_OVERHEAD_BYTES, GRAD_BYTES_PER_PARAM,
                               OPTIMIZER_BYTES_PER_PARAM, activation_bytes, transient_bytes)
 
@@ -108,11 +108,13 @@ class Tables:
     (model, cluster, dtype, profiles)."""
 
     def __init__(self, model: ModelSpec, cluster: Cluster, dtype: str = "bf16",
-                 profiles: ProfileSource | None = None):
+                 options: EstimateOptions | None = None):
         self.model = model
         self.cluster = cluster
         self.dtype = dtype
-        self.profiles = profiles
+        self.options = options or EstimateOptions()
+        """The cost model's options (measured profiles, blocking sends, overlap)."""
+        self.profiles = self.options.profiles
         self.weight_bytes = DTYPE_BYTES[dtype]
         self._tables: dict[tuple, LayerTable] = {}
         self._pool_first = [cluster.group_ranks(k).start for k in range(len(cluster.groups))]
@@ -122,6 +124,7 @@ class Tables:
         self._affine: dict = {}
         self._dp_affines: dict = {}
         self._p2p: dict = {}
+        self._p2p_classes: dict = {}
         self._opt_rate: dict = {}
 
     # --------------------------------------------------------------- layers
@@ -205,12 +208,17 @@ class Tables:
 
     def dp_affines(self, group: DeviceGroup, kind: str) -> tuple[tuple[float, float], ...]:
         """The affine costs of a collective over each data-parallel group of ``group``."""
-        key = (group, kind)
+        # Keyed by identity: hashing a group hashes all its ranks, and the search asks
+        # about the same few group objects over and over (the group is kept alive here).
+        key = (id(group), kind)
         hit = self._dp_affines.get(key)
-        if hit is None:
+        if hit is not None and hit[0] is group:
+            return hit[1]
+        else:
             hit = () if group.dp <= 1 else tuple(self.affine(tuple(r), kind) for r in group.dp_groups())
             # Identical groups (the usual case) need one evaluation, not tp of them.
-            hit = self._dp_affines[key] = tuple(sorted(set(hit)))
+            hit = tuple(sorted(set(hit)))
+            self._dp_affines[key] = (group, hit)
         return hit
 
     def dp_collective(self, group: DeviceGroup, nbytes, kind: str):
@@ -226,11 +234,49 @@ class Tables:
         return out
 
     def p2p(self, src: DeviceGroup, dst: DeviceGroup, nbytes: float) -> float:
-        """One micro-batch's activation from ``src`` to ``dst`` (the cost model's p2p_time)."""
+        """One micro-batch's activation from ``src`` to ``dst``: exactly the cost model's
+        ``p2p_time``, which takes the slowest of the replica-to-replica pair transfers.
+        A pair's time depends only on (share, same node, node groups), so each such class
+        is timed once with ``p2p_time`` on one representative pair."""
         key = (src, dst, nbytes)
         hit = self._p2p.get(key)
         if hit is None:
-            hit = self._p2p[key] = p2p_time(self.cluster, src.tp_groups(), dst.tp_groups(), nbytes)
+            slots = self.cluster.slots
+            classes: dict[tuple, tuple[int, int, float]] = {}
+            for s_ranks, d_ranks in zip(src.tp_groups(), dst.tp_groups()):
+                width = min(len(s_ranks), len(d_ranks))
+                share = nbytes / width
+                for a, b in zip(s_ranks[:width], d_ranks[:width]):
+                    if a == b:
+                        continue
+                    sa, sb = slots[a], slots[b]
+                    classes.setdefault((share, sa.node == sb.node, sa.group, sb.group), (a, b, share))
+            hit = max((p2p_time(self.cluster, [(a,)], [(b,)], share) for a, b, share in classes.values()),
+                      default=0.0) if nbytes > 0 else 0.0
+            self._p2p[key] = hit
+        return hit
+
+    def p2p_classes(self, src: DeviceGroup, dst: DeviceGroup) -> tuple[tuple[float, float, int], ...]:
+        """(latency, seconds per byte, width) of every distinct pair class of a transfer
+        from ``src`` to ``dst``: p2p_time(n) = max over classes of latency + n / width *
+        seconds per byte (read off p2p_time itself at two sizes)."""
+        key = (src, dst)
+        hit = self._p2p_classes.get(key)
+        if hit is None:
+            slots = self.cluster.slots
+            reps: dict[tuple, tuple[int, int, int]] = {}
+            for s_ranks, d_ranks in zip(src.tp_groups(), dst.tp_groups()):
+                width = min(len(s_ranks), len(d_ranks))
+                for a, b in zip(s_ranks[:width], d_ranks[:width]):
+                    if a != b:
+                        sa, sb = slots[a], slots[b]
+                        reps.setdefault((width, sa.node == sb.node, sa.group, sb.group), (a, b, width))
+            out = []
+            for a, b, width in reps.values():
+                t1 = p2p_time(self.cluster, [(a,)], [(b,)], 1.0)
+                t2 = p2p_time(self.cluster, [(a,)], [(b,)], 2.0)
+                out.append((t1 - (t2 - t1), t2 - t1, width))
+            hit = self._p2p_classes[key] = tuple(out)
         return hit
 
     def optimizer_rate(self, pool: int) -> float:

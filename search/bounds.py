@@ -1,0 +1,313 @@
+"""Cheap lower bounds that order and prune candidates before any layer split is computed.
+
+For a pipeline of device groups (a skeleton) under a setting, without choosing the
+split, the closed-form time of :mod:`search.evaluate` is bounded below by:
+
+* **work** - the whole model's per-micro-batch work, spread over the groups in
+  proportion to their speed (a rank cannot beat its share), and no better than the
+  rank that holds the most units can do (pigeonhole: ``ceil(units / pp)`` units, at
+  least the cheapest ones);
+* **recomputation that memory forces** - each stage ``j`` must hold its model states
+  and ``n_j`` micro-batches of activations in its budget ``B_j``; dividing by ``n_j``
+  and summing gives ``sum_u a_u(mode_u) <= sum_j B_j / n_j - states / max_j n_j``, a
+  knapsack on the units' activation bytes whose LP relaxation (solved exactly through
+  its Lagrangian dual, a handful of lines per device kind) bounds the recompute time any
+  split must add; when even the leanest mode exceeds it, nothing fits at all;
+* the schedule's fill (1F1B/interleaved ``total / v``, GPipe ``total``), the pipeline
+  sends (every boundary is crossed once each way), ZeRO-3's per-micro-batch gathers,
+  and for a single stage the exposed gradient reduction and the optimizer step.
+
+The bounds are exact relaxations of the closed form for 1F1B, GPipe and zero-bubble
+(which holds at least 1F1B's micro-batches). For interleaved schedules the memory part
+assumes the same in-flight counts as 1F1B, which balanced chunks always exceed
+(Narayanan et al. SC21 §2.2), so it may be optimistic only for lopsided chunks.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from search.evaluate import Setting, Skeleton, simulated
+from search.tables import DYNAMIC_FACTOR, OVERHEAD, RECOMPUTES, Kind, Tables
+
+INF = float("inf")
+
+
+@dataclass
+class KindSummary:
+    """Whole-model figures of one device kind at one (micro-batch, sequence parallel)."""
+
+    work: float
+    """Per-micro-batch seconds of all units under the fastest allowed recompute."""
+    params: float
+    """Parameters per GPU of the whole model (tensor-parallel shard)."""
+    act_lean: float
+    """Activation bytes per micro-batch of all units under the leanest allowed mode."""
+    smallest: np.ndarray
+    """smallest[k]: sum of the k cheapest unit costs (fastest mode)."""
+    out_bytes: float
+    """Smallest activation a pipeline boundary carries (one micro-batch of this size)."""
+    zb_fill: float
+    """sum of F + B_input - B_weight over all units (zero-bubble's fill, fastest mode)."""
+    lam: np.ndarray
+    """Lagrange multipliers of the recompute knapsack's dual (s per byte)."""
+    dual: np.ndarray
+    """dual[i] = sum_u min_mode (cost + lam[i] * act): the line dual[i] - lam[i] * A
+    bounds the least total cost whose activations fit in A bytes."""
+
+
+class Bounds:
+    """Computes and caches the bounds for one search."""
+
+    def __init__(self, tables: Tables, modes: tuple[str, ...], global_batch: int):
+        self.tables = tables
+        self.global_batch = global_batch
+        self.L = tables.model.num_layers
+        self.qs = [RECOMPUTES.index(m) for m in modes]
+        self._kind: dict = {}
+        self._comm: dict = {}
+        self._z3: dict = {}
+        self._kinds: dict = {}
+        self._pairs: dict = {}
+        self._mixed: dict = {}
+        self._counts: dict = {}
+
+    def summary(self, kind: Kind, b: int, sp: bool) -> KindSummary:
+        key = (kind, b, sp and kind.tp > 1)
+        hit = self._kind.get(key)
+        if hit is not None:
+            return hit
+        t = self.tables.table(kind, b, sp)
+        qs = self.qs
+        cost = np.stack([t.forward + t.backward_input[q] + t.backward_weight for q in qs])   # (modes, units)
+        act = np.stack([t.activation[q] for q in qs])
+        hit = _summarize(cost, act, float(t.cum_params[self.L]), t, _zb_fill(t, qs[0]))
+        self._kind[key] = hit
+        return hit
+
+    def _comm_bound(self, sk_id: int, sk: Skeleton, b: int, v: int, out: float) -> float:
+        P = sk.pp
+        classes = self._comm.get(sk_id)
+        if classes is None:
+            p2p = self.tables.p2p_classes
+            classes = self._comm[sk_id] = [
+                (p2p(sk.groups[g], sk.groups[(g + 1) % P]), p2p(sk.groups[(g + 1) % P], sk.groups[g]))
+                for g in range(P)]
+        key = (sk_id, b)
+        pair = self._pairs.get(key)
+        if pair is None:
+            pair = self._pairs[key] = [_p2p_eval(fw, out) + _p2p_eval(bw, out) for fw, bw in classes]
+        full, rest = divmod(P * v - 1, P)
+        return full * sum(pair) + sum(pair[:rest])
+
+    def _distinct(self, sk_id: int, sk: Skeleton) -> list[tuple[Kind, int]]:
+        """The pipeline's device kinds with how many groups have each."""
+        hit = self._kinds.get(sk_id)
+        if hit is None:
+            counts: dict[Kind, int] = {}
+            for k in sk.kinds:
+                counts[k] = counts.get(k, 0) + 1
+            hit = self._kinds[sk_id] = list(counts.items())
+        return hit
+
+    def _mixed_period(self, sk: Skeleton, st: Setting) -> float:
+        """Mixed pipelines: the smallest period at which the groups can take all units,
+        each at most as many as its memory holds (average unit, leanest recompute, its
+        position's 1F1B in-flight count) and no more than its speed allows in the period:
+        find the least tau with sum_g min(tau / t_g, U_g) >= units (water-filling)."""
+        P, m, L = sk.pp, st.num_micro_batches, self.L
+        rates, caps = [], []
+        for g, kind in enumerate(sk.kinds):
+            s = self.summary(kind, st.micro_batch, st.sequence_parallel)
+            n = m if st.schedule == "gpipe" else min(P - g, m)
+            cap = self.tables.cluster.groups[kind.pool].device.memory_bytes
+            budget = (cap - OVERHEAD) / DYNAMIC_FACTOR
+            per_unit = (self.tables.state_bytes(s.params, 0.0, sk.dp, st.zero) + n * s.act_lean) / L
+            caps.append(max(0.0, budget / per_unit) if per_unit > 0 else float(L))
+            rates.append(L / s.work)         # units per second per micro-batch
+        if sum(caps) < L:
+            return INF
+        # Breakpoints tau_g = U_g / rate_g; between them the capacity is linear in tau.
+        order = sorted(range(P), key=lambda g: caps[g] / rates[g])
+        full, speed = 0.0, sum(rates)
+        for g in order:
+            tau = (L - full) / speed
+            if tau <= caps[g] / rates[g]:
+                return tau
+            full += caps[g]
+            speed -= rates[g]
+        return INF
+
+    def _zero3(self, sk_id: int, sk: Skeleton) -> tuple[float, float, float, float]:
+        """Smallest (alpha, beta) of the all-gather and reduce-scatter over the pipeline's groups."""
+        hit = self._z3.get(sk_id)
+        if hit is None:
+            ag = [ab for g in sk.groups for ab in self.tables.dp_affines(g, "all_gather")]
+            rs = [ab for g in sk.groups for ab in self.tables.dp_affines(g, "reduce_scatter")]
+            hit = self._z3[sk_id] = (min(a for a, _ in ag), min(b for _, b in ag),
+                                     min(a for a, _ in rs), min(b for _, b in rs))
+        return hit
+
+    def _counts_of(self, P: int, m: int, v: int, schedule: str) -> list[float]:
+        """Micro-batches of its own activations each rank holds at least (per position)."""
+        key = (P, m, v, schedule == "gpipe")
+        counts = self._counts.get(key)
+        if counts is None:
+            if schedule == "gpipe":
+                counts = [m] * P
+            elif v > 1:
+                # Megatron's interleaved warm-up (Narayanan et al. SC21 §2.2): rank g runs
+                # 2(pp-g-1) + (v-1)pp chunk forwards before its first backward; with equal
+                # chunks that is (warm-up + 1) / v micro-batches of the rank's activations.
+                counts = [min(2 * (P - g - 1) + (v - 1) * P + 1, m * v) / v for g in range(P)]
+            else:
+                counts = [min(P - g, m) for g in range(P)]
+            self._counts[key] = counts
+        return counts
+
+    def recompute_extra(self, sk_id: int, sk: Skeleton, st: Setting, s: KindSummary) -> float:
+        """Least recompute time (per micro-batch, summed over stages) any split needs to
+        fit; INF when no split can fit. On a mixed pipeline every unit is taken at its
+        cheapest and smallest over the pipeline's kinds (a relaxation)."""
+        P = sk.pp
+        counts = self._counts_of(P, st.num_micro_batches, st.virtual_stages, st.schedule)
+        caps = [(self.tables.cluster.groups[k.pool].device.memory_bytes - OVERHEAD) / DYNAMIC_FACTOR
+                for k in sk.kinds]
+        if len(set(sk.kinds)) > 1:
+            s = self._mixed_summary(sk_id, sk, st)
+        states = self.tables.state_bytes(s.params, 0.0, sk.dp, st.zero)
+        room = sum(c / n for c, n in zip(caps, counts)) - states / max(counts)
+        # Also: the states alone, and the average rank, must fit.
+        if room < s.act_lean or states > sum(caps) or states + min(counts) * s.act_lean > sum(caps):
+            return INF
+        need = float(np.max(s.dual - s.lam * room))
+        return max(0.0, need - s.work)
+
+    def _mixed_summary(self, sk_id: int, sk: Skeleton, st: Setting) -> KindSummary:
+        """Per unit, the cheapest cost and smallest memory over the pipeline's kinds."""
+        key = (sk_id, st.micro_batch, st.sequence_parallel)
+        hit = self._mixed.get(key)
+        if hit is not None:
+            return hit
+        tabs = [self.tables.table(k, st.micro_batch, st.sequence_parallel) for k, _ in self._distinct(sk_id, sk)]
+        qs = self.qs
+        cost = np.min([np.stack([t.forward + t.backward_input[q] + t.backward_weight for q in qs]) for t in tabs],
+                      axis=0)
+        act = np.min([np.stack([t.activation[q] for q in qs]) for t in tabs], axis=0)
+        params = float(np.min([t.params for t in tabs], axis=0).sum())
+        hit = self._mixed[key] = _summarize(cost, act, params, tabs[0], min(_zb_fill(t, qs[0]) for t in tabs))
+        return hit
+
+    def skeleton_bound(self, sk_id: int, sk: Skeleton, micro_batches: list[int],
+                       sequence_parallel: tuple[bool, ...]) -> float:
+        """A bound valid for every setting of the skeleton: every schedule's closed form is
+        at least ``m`` periods, and the period at least the work spread over the groups."""
+        P = sk.pp
+        best = INF
+        for b in micro_batches:
+            for sp in sequence_parallel:
+                kinds = self._distinct(sk_id, sk)
+                summ = [(self.summary(k, b, sp), n) for k, n in kinds]
+                period = 1.0 / sum(n / s.work for s, n in summ)
+                period = max(period, min(s.smallest[-(-self.L // P)] for s, _ in summ))
+                best = min(best, period / b)
+        return best * self.global_batch / sk.dp
+
+    def time_bound(self, sk_id: int, sk: Skeleton, st: Setting) -> float:
+        """Lower bound on the closed-form time of any split (INF: nothing can fit)."""
+        P, dp, m, v = sk.pp, sk.dp, st.num_micro_batches, st.virtual_stages
+        tables = self.tables
+        kinds = self._distinct(sk_id, sk)
+        summ = [(self.summary(k, st.micro_batch, st.sequence_parallel), n) for k, n in kinds]
+        extra = self.recompute_extra(sk_id, sk, st, summ[0][0])
+        if extra == INF:
+            return INF
+        if len(summ) > 1:
+            period = self._mixed_period(sk, st)
+            if period == INF:
+                return INF
+            # The recomputation memory forces, spread at each group's relative speed.
+            fastest = min(x.work for x, _ in summ)
+            period = max(period, (fastest + extra) / sum(n * fastest / x.work for x, n in summ))
+        else:
+            period = (summ[0][0].work + extra) / P
+        total = min(s.work for s, _ in summ) + extra
+        k_units = -(-self.L // P)
+        period = max(period, min(s.smallest[k_units] for s, _ in summ))
+        summ = [s for s, _ in summ]
+        if st.zero >= 3 and dp > 1:
+            # Each stage costs at least its parameter gather + gradient scatter.
+            params, w = summ[0].params, tables.weight_bytes
+            a_g, b_g, a_s, b_s = self._zero3(sk_id, sk)
+            gs = (a_g + a_s) * P * v + (b_g * w + b_s * 4.0) * params
+            period = max(period, gs / P)
+        if P == 1:
+            bound = m * period
+            if dp > 1 and st.zero < 3:
+                kind = "reduce_scatter" if st.zero >= 1 else "all_reduce"
+                bound += tables.dp_collective(sk.groups[0], summ[0].params * 4.0, kind) / self.L
+            return bound + summ[0].params / (dp if st.zero >= 1 else 1) * tables.optimizer_rate(sk.kinds[0].pool)
+        out = summ[0].out_bytes          # the table is per micro-batch already
+        comm = self._comm_bound(sk_id, sk, st.micro_batch, v, out)
+        if tables.options.blocking_p2p:
+            # Blocking sends hold their rank: every rank's time per micro-batch includes them.
+            total += comm
+            period = max(period, total / P)
+        if simulated(st, P):
+            # Timed by simulation: the closed form's fill can exceed the simulated fill when
+            # stages are lopsided, so only sure bounds: the busiest rank's work, and one
+            # micro-batch's way through every stage and back.
+            # Stage g cannot start before micro-batch 0 has crossed the stages before it,
+            # then works m * W_g, then the last micro-batch drains back through them:
+            # T >= prefix_g + m W_g for every g, whose least max over splits equalizes the
+            # terms: T = total / (1 - (1 - 1/m)^pp). Zero-bubble's weight-gradient passes
+            # leave the chain, so there only a share kappa of each stage's work counts.
+            kappa = 1.0
+            if st.schedule == "zero-bubble":
+                kappa = min((x.work + x.zb_fill) / (2 * x.work) for x in summ if x.work > 0)
+            chain = kappa * total
+            if v == 1:
+                chain = max(chain, kappa * total / (1 - (1 - kappa / m) ** P))
+            return max(m * period, chain)
+        if st.schedule == "gpipe":
+            pipe = total + (m - 1) * period
+        elif st.schedule == "zero-bubble":
+            # ZB-H1's bubble is sum(F + B_in - B_w) - max(...), and no stage's term
+            # exceeds the period.
+            pipe = (m - 1) * period + min(s.zb_fill for s in summ)
+        else:
+            pipe = (m - 1.0 / v) * period + total / v
+        return pipe + comm
+
+
+def _p2p_eval(classes: tuple[tuple[float, float, int], ...], nbytes: float) -> float:
+    """The cost model's p2p_time from its pair classes (see Tables.p2p_classes)."""
+    if nbytes <= 0:
+        return 0.0
+    return max((lat + nbytes / width * rate for lat, rate, width in classes), default=0.0)
+
+
+def _summarize(cost: np.ndarray, act: np.ndarray, params: float, t, zb_fill: float) -> KindSummary:
+    """A KindSummary from per-(mode, unit) costs and activations (modes fastest first)."""
+    # Breakpoints of the dual: where a unit switches to a leaner mode.
+    lams = {0.0}
+    for i in range(len(cost)):
+        for j in range(len(cost)):
+            da = act[i] - act[j]
+            dc = cost[j] - cost[i]
+            ok = (da > 0) & (dc >= 0)
+            lams.update(np.round(dc[ok] / da[ok], 30).tolist())
+    lam = np.array(sorted(lams))
+    dual = np.array([float((cost + x * act).min(axis=0).sum()) for x in lam])
+    unit = cost[0]
+    out = t.output_bytes[:-1]
+    return KindSummary(work=float(unit.sum()), params=params, act_lean=float(act.min(axis=0).sum()),
+                       smallest=np.concatenate(([0.0], np.cumsum(np.sort(unit)))),
+                       out_bytes=float(out.min()) if len(out) else 0.0,
+                       zb_fill=zb_fill, lam=lam, dual=dual)
+
+
+def _zb_fill(t, q: int) -> float:
+    """sum over units of F + B_input - B_weight (zero-bubble's per-stage fill terms)."""
+    return float((t.forward + t.backward_input[q] - t.backward_weight).sum())
