@@ -88,7 +88,7 @@ class DeviceSpec:
         peaks_r.reject_unknown(DTYPES)
         peaks = {k: peaks_r.float(k, positive=True) * TFLOPS for k in DTYPES if peaks_r.has(k)}
         if not peaks:
-            raise ConfigError(peaks_r.where, "needs at least one dtype", f"e.g. {{\"bf16\": 312}}")
+            raise ConfigError(peaks_r.where, "needs at least one dtype", "e.g. {\"bf16\": 312}")
         link_r = r.sub("intra_node_link", None)
         link = Link.read(link_r) if link_r else Link(bandwidth=16 * GB, latency=10 * US, name="PCIe (assumed)")
         return cls(name=r.str("name"), memory_bytes=memory, peak_flops=peaks,

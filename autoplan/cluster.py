@@ -13,7 +13,7 @@ from typing import Iterable, Sequence
 
 from autoplan.catalog import DeviceSpec, Link, get_device
 from autoplan.errors import ConfigError
-from autoplan.fields import FieldReader
+from autoplan.fields import FieldReader, load_json
 from autoplan.units import GB, GiB, TFLOPS, US
 
 # When a cluster gives no inter-node link: one 100 Gbit/s NIC per GPU, a common
@@ -79,13 +79,7 @@ class Cluster:
     def load(cls, path: str | Path) -> "Cluster":
         """Read a cluster.json; every problem is reported as a ConfigError naming the field."""
         path = Path(path)
-        try:
-            data = json.loads(path.read_text())
-        except FileNotFoundError:
-            raise ConfigError(str(path), "file not found") from None
-        except json.JSONDecodeError as e:
-            raise ConfigError(str(path), f"is not valid JSON (line {e.lineno}, column {e.colno}: {e.msg})") from None
-        return cls.from_dict(data, where=path.name)
+        return cls.from_dict(load_json(path), where=path.name)
 
     @classmethod
     def from_dict(cls, data: dict, where: str = "cluster") -> "Cluster":

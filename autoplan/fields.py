@@ -7,6 +7,8 @@ and unknown keys are reported with the closest valid spelling.
 """
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any, Iterable, Mapping
 
 from autoplan.errors import ConfigError, closest
@@ -109,3 +111,17 @@ class FieldReader:
                 hint = closest(str(key), allowed)
                 raise ConfigError(self.path(str(key)), "is not a known field",
                                   hint or f"known fields: {', '.join(allowed)}")
+
+
+def load_json(path: str | Path, what: str = "file", fix: str | None = None) -> Any:
+    """Parse a JSON file; a missing or malformed file is a ConfigError naming the path
+    (and, for a syntax error, the line and column)."""
+    path = Path(path)
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(str(path), f"{what} not found") from None
+    except IsADirectoryError:
+        raise ConfigError(str(path), f"is a directory, expected a JSON {what}") from None
+    except json.JSONDecodeError as e:
+        raise ConfigError(str(path), f"is not valid JSON (line {e.lineno}, column {e.colno}: {e.msg})", fix) from None

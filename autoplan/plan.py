@@ -10,12 +10,12 @@ stage once; tensor-parallel degree may differ per group (heterogeneous clusters)
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Sequence
 
 from autoplan.errors import ConfigError
-from autoplan.fields import FieldReader
+from autoplan.fields import FieldReader, load_json
 from autoplan.models.spec import RECOMPUTE_MODES
 
 if TYPE_CHECKING:
@@ -292,13 +292,7 @@ class Plan:
     @classmethod
     def load(cls, path: str | Path) -> "Plan":
         path = Path(path)
-        try:
-            data = json.loads(path.read_text())
-        except FileNotFoundError:
-            raise ConfigError(str(path), "file not found") from None
-        except json.JSONDecodeError as e:
-            raise ConfigError(str(path), f"is not valid JSON (line {e.lineno}: {e.msg})") from None
-        return cls.from_dict(data, where=path.name)
+        return cls.from_dict(load_json(path), where=path.name)
 
 
 def even_split(model: "ModelSpec", n_stages: int) -> list[tuple[int, int]]:

@@ -31,7 +31,7 @@ from typing import Any, Callable, Sequence
 
 from autoplan.cluster import Cluster
 from autoplan.errors import AutoplanError, ConfigError, NoPlanFitsError
-from autoplan.fields import FieldReader
+from autoplan.fields import FieldReader, load_json
 from autoplan.plan import Plan
 from autoplan.units import GiB
 
@@ -116,13 +116,7 @@ class Scenario:
     @classmethod
     def load(cls, path: str | Path) -> "Scenario":
         path = Path(path)
-        try:
-            data = json.loads(path.read_text())
-        except FileNotFoundError:
-            raise ConfigError(str(path), "file not found") from None
-        except json.JSONDecodeError as e:
-            raise ConfigError(path.name, f"is not valid JSON (line {e.lineno}: {e.msg})") from None
-        return cls.from_dict(data, where=path.name, base_dir=path.parent)
+        return cls.from_dict(load_json(path, "scenario"), where=path.name, base_dir=path.parent)
 
 
 def _resolve(raw: str, base_dir: Path | None) -> Path | None:

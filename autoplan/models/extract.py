@@ -16,7 +16,6 @@ in those counts, so two measurements give ``replicated + sharded / t`` exactly.
 from __future__ import annotations
 
 import dataclasses
-import math
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 

@@ -37,6 +37,7 @@ from typing import Iterable
 
 from autoplan.catalog import DeviceSpec, Link
 from autoplan.errors import ConfigError
+from autoplan.fields import load_json
 from autoplan.models.spec import LayerSpec
 from autoplan.profiler.environment import Environment
 from autoplan.profiler.shapes import ShapeKey, shape_key, spec_from_dict
@@ -87,13 +88,7 @@ class ProfileFile:
     @classmethod
     def load(cls, path: str | Path) -> "ProfileFile":
         path = Path(path)
-        try:
-            data = json.loads(path.read_text())
-        except FileNotFoundError:
-            raise ConfigError(str(path), "profile file not found") from None
-        except json.JSONDecodeError as e:
-            raise ConfigError(str(path), f"is not valid JSON (line {e.lineno}: {e.msg})",
-                              "delete it and profile again") from None
+        data = load_json(path, "profile file", fix="delete it and profile again")
         return cls.from_dict(data, path)
 
     @classmethod

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from autoplan.errors import ConfigError
-from autoplan.fields import FieldReader
+from autoplan.fields import FieldReader, load_json
 from autoplan.plan import Plan
 from autoplan.units import GiB, MiB
 
@@ -171,13 +171,7 @@ class RunRecord:
 def load_record(path: str | Path) -> RunRecord:
     """Read and validate a run record written by ``autoplan run`` / ``autoplan.runtime.train``."""
     path = Path(path)
-    try:
-        data = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise ConfigError(str(path), "file not found") from None
-    except json.JSONDecodeError as e:
-        raise ConfigError(str(path), f"is not valid JSON (line {e.lineno}: {e.msg})") from None
-    return RunRecord.from_dict(data, where=path.name)
+    return RunRecord.from_dict(load_json(path, "run record"), where=path.name)
 
 
 # ----------------------------------------------------------------- comparison
