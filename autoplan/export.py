@@ -286,7 +286,7 @@ def to_megatron(plan: Plan, model: "ModelSpec | None" = None) -> Exported:
     lines = [f"# Megatron-LM arguments for the autoplan plan: {plan.describe()}",
              f"# {world} GPUs = tensor {plan.tp} x pipeline {plan.pp} x data {plan.dp}; Megatron-LM derives "
              "the data-parallel size from the world size.",
-             f"# Use: torchrun --nproc-per-node <gpus per node> --nnodes <nodes> pretrain_gpt.py "
+             "# Use: torchrun --nproc-per-node <gpus per node> --nnodes <nodes> pretrain_gpt.py "
              "$(grep -v '^#' THIS_FILE) <data, tokenizer, optimizer and logging arguments>"]
     lines += [f"# note: {n}" for n in notes]
     # One flag (with its value) per line so the file diffs and reads well.

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import heapq
 import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 from autoplan.cluster import Cluster
 from autoplan.errors import ConfigError, NoPlanFitsError
@@ -36,7 +36,7 @@ from search.progress import Progress
 from search.result import RankedPlan, SearchResult, SearchStats
 from search.space import Constraints, divisors
 from search.split import INF, Split, Splitter
-from search.tables import DYNAMIC_FACTOR, OVERHEAD, RECOMPUTES, Kind, Tables
+from search.tables import DYNAMIC_FACTOR, OVERHEAD, Kind, Tables
 
 
 def search(model: ModelSpec, cluster: Cluster, global_batch: int, **constraints) -> SearchResult:
@@ -73,8 +73,6 @@ class _Search:
         self.progress = Progress(c.progress)
         self.L = model.num_layers
         self.modes = c.recompute
-        self.q_fast = RECOMPUTES.index(self.modes[0])
-        self.q_lean = RECOMPUTES.index(self.modes[-1])
         self.bounds = Bounds(self.tables, self.modes, global_batch)
         self.refine_left = c.refine_evaluations
 
@@ -205,7 +203,7 @@ class _Search:
     # ---------------------------------------------------------------- run
     def run(self) -> SearchResult:
         t_start = time.perf_counter()
-        c, stats = self.c, self.stats
+        stats = self.stats
         try:
             t0 = time.perf_counter()
             if len(self.cluster.groups) == 1:
@@ -263,7 +261,6 @@ class _Search:
         split from the DP, with a period limit derived from the current shortlist."""
         keep = self.c.max_estimates
         stats = self.stats
-        self.trace = []
         t_bounds = time.perf_counter()
         order = sorted((self.bounds.skeleton_bound(si, sk, self.mb_options(sk.dp), self.c.sequence_parallel), si)
                        for si, sk in enumerate(skeletons))
@@ -322,7 +319,6 @@ class _Search:
                     continue
                 split, analysis = best
                 cand = Candidate(sk, st, split.bounds, split.recompute, analysis)
-                self.trace.append((bound, analysis.time_s, sk, st, split))
                 item = (-analysis.time_s, -(cnt * 4 + zi), cand)
                 if len(shortlist) < keep:
                     heapq.heappush(shortlist, item)

@@ -111,6 +111,7 @@ def place(tables: Tables, *, dp: int, micro_batch: int, num_micro_batches: int, 
                        max_stages=max_stages, use_all_gpus=use_all_gpus, alternatives=alternatives,
                        det_time_limit=det_time_limit, seed=seed, stats=stats)
         out += [sk for sk in found if all(sk.groups != o.groups for o in out)]
+    stats.skeletons += len(out)
     return out
 
 
@@ -323,5 +324,4 @@ def _place(tables: Tables, *, dp: int, micro_batch: int, num_micro_batches: int,
             if sk is not None and all(sk.groups != f.groups for f in found):
                 found.append(sk)
         cuts.append({g: solver.Value(n[g]) for g in K if solver.Value(u[g])})
-    stats.skeletons += len(found)
     return found

@@ -19,7 +19,7 @@ from autoplan.models.spec import ModelSpec
 from autoplan.plan import DeviceGroup
 from autoplan.units import DTYPE_BYTES, GiB
 from costmodel.comm import collective_time, p2p_time
-from costmodel.compute import ProfileSource, layer_timing
+from costmodel.compute import layer_timing
 from costmodel.efficiency import default_efficiency
 from costmodel.estimate import ADAM_STEP_BYTES_PER_PARAM, EstimateOptions
 from costmodel.memory import (FRAGMENTATION, FRAMEWORK_OVERHEAD_BYTES, GRAD_BYTES_PER_PARAM,
@@ -27,6 +27,9 @@ from costmodel.memory import (FRAGMENTATION, FRAMEWORK_OVERHEAD_BYTES, GRAD_BYTE
 
 RECOMPUTES = ("none", "selective", "full")
 """Recompute modes in order of increasing time and decreasing memory."""
+
+PROBE = 1e8
+"""Bytes at which the affine (alpha-beta) communication costs are read off the cost model."""
 
 OVERHEAD = FRAMEWORK_OVERHEAD_BYTES
 """Fixed bytes per GPU (CUDA context, workspaces), as the cost model counts them."""
@@ -201,9 +204,11 @@ class Tables:
         key = (ranks, kind)
         hit = self._affine.get(key)
         if hit is None:
-            t1 = collective_time(self.cluster, ranks, 1.0, kind)
-            t2 = collective_time(self.cluster, ranks, 2.0, kind)
-            hit = self._affine[key] = (t1 - (t2 - t1), t2 - t1)
+            # Probe at sizes where neither term swamps the other (cancellation).
+            t1 = collective_time(self.cluster, ranks, PROBE, kind)
+            t2 = collective_time(self.cluster, ranks, 2 * PROBE, kind)
+            beta = (t2 - t1) / PROBE
+            hit = self._affine[key] = (t1 - beta * PROBE, beta)
         return hit
 
     def dp_affines(self, group: DeviceGroup, kind: str) -> tuple[tuple[float, float], ...]:
@@ -273,9 +278,10 @@ class Tables:
                         reps.setdefault((width, sa.node == sb.node, sa.group, sb.group), (a, b, width))
             out = []
             for a, b, width in reps.values():
-                t1 = p2p_time(self.cluster, [(a,)], [(b,)], 1.0)
-                t2 = p2p_time(self.cluster, [(a,)], [(b,)], 2.0)
-                out.append((t1 - (t2 - t1), t2 - t1, width))
+                t1 = p2p_time(self.cluster, [(a,)], [(b,)], PROBE)
+                t2 = p2p_time(self.cluster, [(a,)], [(b,)], 2 * PROBE)
+                rate = (t2 - t1) / PROBE
+                out.append((t1 - rate * PROBE, rate, width))
             hit = self._p2p_classes[key] = tuple(out)
         return hit
 

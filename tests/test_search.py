@@ -1,0 +1,317 @@
+"""The search: it finds the same optimum as brute-force enumeration under the same cost
+model, returns well-formed results, explains them, fails helpfully, and its CLI works."""
+from __future__ import annotations
+
+import itertools
+import json
+
+import pytest
+
+import autoplan
+from autoplan import Cluster, Plan, models
+from autoplan.cli import main
+from autoplan.errors import ConfigError, NoPlanFitsError
+from autoplan.plan import DeviceGroup, Stage
+from costmodel import estimate
+from search import search
+
+
+def toy_device(name: str, memory_gib: float, tflops: float) -> dict:
+    return {"name": name, "memory_GiB": memory_gib, "peak_TFLOPS": {"bf16": tflops},
+            "memory_bandwidth_GBps": 1000, "compute_units": 80,
+            "intra_node_link": {"bandwidth_GBps": 100, "latency_us": 5}}
+
+
+def toy_cluster(memory_gib: float, nodes: int = 2, gpus_per_node: int = 2) -> Cluster:
+    """Identical toy GPUs small enough that memory decides (1 GiB of each is overhead)."""
+    return Cluster.from_dict({"name": "toy", "inter_node": {"bandwidth_GBps": 10, "latency_us": 10},
+                              "node_groups": [{"name": "n", "nodes": nodes, "gpus_per_node": gpus_per_node,
+                                               "device": toy_device("toy-gpu", memory_gib, 100)}]})
+
+
+def toy_mixed(memory_fast: float, memory_slow: float, tflops_slow: float) -> Cluster:
+    return Cluster.from_dict({"name": "toy-mixed", "inter_node": {"bandwidth_GBps": 5, "latency_us": 10},
+                              "node_groups": [
+                                  {"name": "fast", "nodes": 1, "gpus_per_node": 2,
+                                   "device": toy_device("fast-gpu", memory_fast, 100)},
+                                  {"name": "slow", "nodes": 1, "gpus_per_node": 2,
+                                   "device": toy_device("slow-gpu", memory_slow, tflops_slow)}]})
+
+
+MODELS = {
+    "4x1024": dict(layers=4, hidden=1024, heads=16, seq_len=1024, vocab=32000),
+    "5x512": dict(layers=5, hidden=512, heads=8, seq_len=512, vocab=16000),
+    "3x2048": dict(layers=3, hidden=2048, heads=16, seq_len=512, vocab=32000),
+}
+
+
+def toy_model(name: str):
+    return models.transformer(**MODELS[name])
+
+
+def compositions(n: int, k: int):
+    for cuts in itertools.combinations(range(1, n), k - 1):
+        b = (0,) + cuts + (n,)
+        yield [(b[i], b[i + 1]) for i in range(k)]
+
+
+def brute_force(model, cluster, gb, schedules, recompute, zero, sps, max_v=2):
+    """Every valid uniform plan (Megatron rank order) with every split and every per-stage
+    recompute assignment, under the full cost model: (best time, best plan, plans tried)."""
+    n, L = cluster.num_gpus, model.num_layers
+    gpn = cluster.groups[0].gpus_per_node
+    best, count = None, 0
+    for tp in model.tp_degrees(gpn):
+        if gpn % tp:
+            continue
+        for pp, dp in itertools.product(range(1, L + 1), range(1, n + 1)):
+            if tp * pp * dp > n or gb % dp:
+                continue
+            groups = tuple(DeviceGroup(ranks=tuple(range(p * tp * dp, (p + 1) * tp * dp)), tp=tp) for p in range(pp))
+            for b in [x for x in range(1, gb // dp + 1) if (gb // dp) % x == 0]:
+                m = gb // (dp * b)
+                for sched in schedules:
+                    vs = [1] if sched != "interleaved-1f1b" else \
+                        [v for v in range(2, max_v + 1) if pp > 1 and pp * v <= L and m % pp == 0]
+                    for v, z, sp in itertools.product(vs, zero if dp > 1 else [min(zero)],
+                                                      sps if tp > 1 else [min(sps)]):
+                        for split in compositions(L, pp * v):
+                            for rec in itertools.product(recompute, repeat=pp * v):
+                                stages = tuple(Stage(a, e, j % pp, r) for j, ((a, e), r) in enumerate(zip(split, rec)))
+                                plan = Plan(groups=groups, stages=stages, micro_batch=b, num_micro_batches=m,
+                                            schedule=sched, virtual_stages=v, sequence_parallel=sp, zero=z)
+                                est = estimate(model, cluster, plan)
+                                count += 1
+                                if est.fits and (best is None or est.iteration_time_s < best[0]):
+                                    best = (est.iteration_time_s, plan)
+    return best, count
+
+
+# name: (model, GiB per GPU, (nodes, GPUs per node), global batch, schedules, recompute, zero, sp)
+BRUTE_CASES = {
+    "tight-memory-mixed-recompute": ("4x1024", 1.6, (2, 2), 4, ["1f1b", "gpipe"], ["none", "full"], [0, 1],
+                                     [False, True]),
+    "interleaved-wins": ("5x512", 1.3, (2, 2), 8, ["interleaved-1f1b", "1f1b"], ["selective", "full"], [0], [True]),
+    "zero-bubble-zero3": ("5x512", 6, (2, 2), 8, ["gpipe", "zero-bubble"], ["none", "full"], [0, 3], [False, True]),
+    "one-node-four-gpus": ("4x1024", 6, (1, 4), 4, ["1f1b", "zero-bubble"], ["none", "selective"], [0], [False]),
+    "four-nodes-pipeline": ("5x512", 6, (4, 1), 8, ["1f1b", "interleaved-1f1b"], ["selective", "full"], [0],
+                            [True]),
+    "gpipe-few-micro-batches": ("4x1024", 6, (4, 1), 8, ["gpipe"], ["selective", "full"], [0, 3], [False]),
+    "nothing-fits": ("3x2048", 1.05, (2, 2), 4, ["1f1b"], ["full"], [3], [True]),
+}
+
+
+@pytest.mark.parametrize("case", BRUTE_CASES, ids=list(BRUTE_CASES))
+def test_search_finds_the_brute_force_optimum(case):
+    name, mem, (nodes, gpn), gb, schedules, recompute, zero, sps = BRUTE_CASES[case]
+    model, cluster = toy_model(name), toy_cluster(mem, nodes, gpn)
+    best, count = brute_force(model, cluster, gb, schedules, recompute, zero, sps)
+    assert count > 50, "the brute force must enumerate a real space"
+    kwargs = dict(schedules=schedules, recompute=recompute, zero=zero, sequence_parallel=sps,
+                  max_virtual_stages=2, progress=False)
+    if best is None:
+        with pytest.raises(NoPlanFitsError):
+            search(model, cluster, gb, **kwargs)
+        return
+    result = search(model, cluster, gb, **kwargs)
+    assert result.best.estimate.iteration_time_s == pytest.approx(best[0], rel=1e-9), \
+        f"search {result.best.plan.describe()} vs brute force {best[1].describe()}"
+    assert result.stats.estimates <= count
+
+
+def brute_force_mixed(model, cluster, gb, schedules, recompute, zero):
+    """Every pipeline the search's space holds on a mixed cluster (each node group one run
+    of groups with one tp, runs in any order), every split and per-stage recompute."""
+    L = model.num_layers
+    pools = range(len(cluster.groups))
+    best, count = None, 0
+    for dp in (1, 2):
+        options = []
+        for k in pools:
+            ng = cluster.groups[k]
+            options.append([(0, 1)] + [(n, t) for t in model.tp_degrees(ng.gpus_per_node) if ng.gpus_per_node % t == 0
+                                       for n in range(1, ng.num_gpus // (dp * t) + 1)])
+        for choice in itertools.product(*options):
+            used = [k for k in pools if choice[k][0]]
+            for order in itertools.permutations(used):
+                seq = [(k, choice[k][1]) for k in order for _ in range(choice[k][0])]
+                if not seq or len(seq) > L:
+                    continue
+                offset = {k: cluster.group_ranks(k).start for k in pools}
+                groups = []
+                for k, t in seq:
+                    groups.append(DeviceGroup(ranks=tuple(range(offset[k], offset[k] + dp * t)), tp=t))
+                    offset[k] += dp * t
+                for b in [x for x in range(1, gb // dp + 1) if (gb // dp) % x == 0]:
+                    for sched, z in itertools.product(schedules, zero if dp > 1 else [min(zero)]):
+                        for split in compositions(L, len(seq)):
+                            for rec in itertools.product(recompute, repeat=len(seq)):
+                                stages = tuple(Stage(a, e, j, r) for j, ((a, e), r) in enumerate(zip(split, rec)))
+                                plan = Plan(groups=tuple(groups), stages=stages, micro_batch=b,
+                                            num_micro_batches=gb // (dp * b), schedule=sched, zero=z)
+                                est = estimate(model, cluster, plan)
+                                count += 1
+                                if est.fits and (best is None or est.iteration_time_s < best[0]):
+                                    best = (est.iteration_time_s, plan)
+    return best, count
+
+
+MIXED_CASES = {
+    "slow-stage-takes-the-embedding": ("5x512", 4.0, 1.6, 25, 4, ["zero-bubble"], ["none"], [0, 3]),
+    "both-types-tp2-gpipe": ("4x1024", 2.0, 1.6, 50, 2, ["gpipe"], ["none", "full"], [0]),
+    "both-types-uneven-split": ("4x1024", 1.8, 1.8, 70, 4, ["1f1b"], ["none", "full"], [0]),
+    "both-types-zero3": ("4x1024", 2.5, 2.0, 50, 4, ["1f1b"], ["none"], [0, 3]),
+}
+
+
+@pytest.mark.parametrize("case", MIXED_CASES, ids=list(MIXED_CASES))
+def test_mixed_cluster_search_finds_the_brute_force_optimum(case):
+    name, mem_fast, mem_slow, tflops_slow, gb, schedules, recompute, zero = MIXED_CASES[case]
+    model, cluster = toy_model(name), toy_mixed(mem_fast, mem_slow, tflops_slow)
+    best, count = brute_force_mixed(model, cluster, gb, schedules, recompute, zero)
+    assert best is not None and count > 100
+    result = search(model, cluster, gb, schedules=schedules, recompute=recompute, zero=zero,
+                    sequence_parallel=[False], progress=False)
+    assert result.best.estimate.iteration_time_s == pytest.approx(best[0], rel=1e-9), \
+        f"search {result.best.plan.describe()} vs brute force {best[1].describe()}"
+    assert result.stats.placement is not None and result.stats.placement.solves > 0
+
+
+# ----------------------------------------------------------------- the result
+
+@pytest.fixture(scope="module")
+def mixed_result():
+    model = models.get("gpt3-1.3b")
+    cluster = Cluster.load("examples/clusters/small-mixed-v100-t4.json")
+    return model, cluster, search(model, cluster, 64, progress=False)
+
+
+def test_result_is_ranked_and_valid(mixed_result):
+    model, cluster, result = mixed_result
+    times = [rp.estimate.iteration_time_s for rp in result.ranked]
+    assert times == sorted(times) and result.best is result.ranked[0]
+    assert [rp.rank for rp in result.ranked] == list(range(1, len(result.ranked) + 1))
+    for rp in result.ranked:
+        rp.plan.validate(model, cluster)
+        assert rp.estimate.fits and rp.gpus_used == rp.plan.num_gpus <= cluster.num_gpus
+        # Every device group is one device type.
+        for g in rp.plan.groups:
+            assert len({cluster.slots[r].device.name for r in g.ranks}) == 1
+        # The closed form that shortlisted the plan is close to the full cost model.
+        assert rp.predicted_s == pytest.approx(rp.estimate.iteration_time_s, rel=0.15)
+
+
+def test_stats_account_for_every_candidate(mixed_result):
+    _, _, result = mixed_result
+    s = result.stats
+    assert s.candidates > 100 and s.skeletons > 1 and s.splits > 0
+    assert s.pruned_memory_bound + s.pruned_time_bound + s.pruned_no_split + s.shortlisted <= s.candidates
+    assert s.estimates >= len(result.ranked) and s.estimate_fit_mismatch == 0
+    assert {"placement", "bounds", "split", "estimate"} <= set(s.phase_s)
+    assert s.placement.solves > 0 and s.placement.skeletons > 0
+    assert "CP-SAT" in s.summary() and "pruned" in s.summary()
+
+
+def test_table_and_explain(mixed_result):
+    _, _, result = mixed_result
+    table = result.table(3)
+    assert "tokens/s" in table and "MFU" in table and "V100-SXM2-16GB" in table and "T4-16GB" in table
+    assert len(table.splitlines()) == 2 + min(3, len(result.ranked))
+    text = result.explain()
+    assert "runner-up" in text and "biggest difference" in text and "breakdown" in text
+
+
+def test_search_is_deterministic():
+    model, cluster = toy_model("5x512"), toy_cluster(3, 2, 2)
+    a = search(model, cluster, 8, progress=False)
+    b = search(model, cluster, 8, progress=False)
+    assert [rp.plan.to_dict() for rp in a.ranked] == [rp.plan.to_dict() for rp in b.ranked]
+
+
+def test_fewer_gpus_are_reported_and_can_be_forbidden():
+    # Global batch 2 cannot keep 4 GPUs busy with data parallelism alone.
+    model, cluster = toy_model("5x512"), toy_cluster(6, 4, 1)
+    free = search(model, cluster, 2, schedules=["1f1b"], progress=False)
+    forced = search(model, cluster, 2, schedules=["1f1b"], use_all_gpus=True, progress=False)
+    assert all(rp.gpus_used == cluster.num_gpus for rp in forced.ranked)
+    assert free.best.estimate.iteration_time_s <= forced.best.estimate.iteration_time_s
+    if free.best.gpus_used < cluster.num_gpus:
+        assert f"of the cluster's {cluster.num_gpus} GPUs" in free.explain()
+
+
+# -------------------------------------------------------------- constraints
+
+@pytest.mark.parametrize("kwargs,field", [
+    ({"tensor_parallel": 2}, "tensor_parallel"),
+    ({"schedules": ["pipedream"]}, "schedules"),
+    ({"zero": [4]}, "zero"),
+    ({"tp": 0}, "tp"),
+    ({"recompute": []}, "recompute"),
+    ({"max_estimates": 0}, "max_estimates"),
+], ids=["unknown-keyword", "unknown-schedule", "bad-zero", "bad-tp", "empty-recompute", "bad-budget"])
+def test_bad_constraints_name_the_field(kwargs, field):
+    with pytest.raises(ConfigError) as err:
+        search(toy_model("5x512"), toy_cluster(3), 8, progress=False, **kwargs)
+    assert err.value.field == field
+
+
+def test_constraints_narrow_the_space():
+    model, cluster = toy_model("5x512"), toy_cluster(6, 2, 2)
+    result = search(model, cluster, 8, tp=1, pp=[2], schedules="zero-bubble", zero=0, progress=False)
+    for rp in result.ranked:
+        assert {g.tp for g in rp.plan.groups} == {1} and rp.plan.pp == 2
+        assert rp.plan.schedule == "zero-bubble" and rp.plan.zero == 0
+
+
+def test_global_batch_must_be_positive():
+    with pytest.raises(ConfigError):
+        search(toy_model("5x512"), toy_cluster(3), 0, progress=False)
+
+
+# ------------------------------------------------------------- nothing fits
+
+def test_no_plan_fits_says_what_is_needed_per_device_type():
+    model = models.get("gpt3-6.7b")
+    cluster = Cluster.load("examples/clusters/small-mixed-v100-t4.json")
+    with pytest.raises(NoPlanFitsError) as err:
+        search(model, cluster, 64, recompute=["none"], zero=[0], progress=False)
+    text = str(err.value)
+    assert "GiB per V100-SXM2-16GB GPU" in text and "GiB per T4-16GB GPU" in text
+    assert "more GPUs" in text and "recompute" in text and "ZeRO" in text and "shorter sequence" in text
+
+
+# ---------------------------------------------------------------------- CLI
+
+def test_cli_search_writes_a_plan_estimate_accepts(tmp_path, capsys):
+    out = tmp_path / "plan.json"
+    args = ["--cluster", "examples/clusters/small-mixed-v100-t4.json", "--model", "gpt2-medium"]
+    code = main(["search", *args, "--global-batch", "16", "--top-k", "3", "--out", str(out), "--explain",
+                 "--no-progress"])
+    printed = capsys.readouterr().out
+    assert code == 0 and "tokens/s" in printed and "runner-up" in printed and f"wrote {out}" in printed
+    saved = json.loads(out.read_text())
+    assert saved["estimate"]["fits"] is True
+    plan = Plan.load(out)
+    code = main(["estimate", *args, "--plan", str(out)])
+    printed = capsys.readouterr().out
+    assert code == 0 and f"{saved['estimate']['iteration_time_s']:.4g} s" in printed
+    assert plan.global_batch == 16
+
+
+def test_cli_search_no_fit_is_one_paragraph_and_exit_2(capsys):
+    code = main(["search", "--cluster", "examples/clusters/small-mixed-v100-t4.json", "--model", "gpt3-6.7b",
+                 "--global-batch", "64", "--recompute", "none", "--zero", "0", "--no-progress"])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert "No plan fits in memory" in err and "Traceback" not in err
+    assert "\n\n" not in err.strip()
+
+
+def test_progress_bar_stays_off_when_not_a_terminal(capsys):
+    search(toy_model("5x512"), toy_cluster(3), 8, progress=True)
+    assert capsys.readouterr().err == ""
+
+
+def test_public_api_entry_point():
+    result = autoplan.search("gpt-tiny", Cluster.load("examples/clusters/cpu-4ranks.json"), 8, progress=False)
+    assert result.best.estimate.fits

@@ -1,0 +1,266 @@
+"""The search's fast model agrees with the full cost model; its DP, bounds, in-flight
+counts and CP-SAT placement do what they claim."""
+from __future__ import annotations
+
+import itertools
+from dataclasses import replace
+
+import pytest
+
+from autoplan import Cluster, Plan, models
+from autoplan.plan import DeviceGroup, Stage
+from autoplan.schedule import build_program
+from costmodel import EstimateOptions, estimate
+from costmodel.comm import p2p_time
+from costmodel.estimate import stage_costs
+from search.bounds import Bounds
+from search.evaluate import Setting, Skeleton, analyze, pipeline_time, simulated, stage_figures
+from search.inflight import inflight
+from search.placement import PlacementStats, place, pool_kinds
+from search.split import Splitter
+from search.tables import RECOMPUTES, Kind, Tables
+
+GPT = models.transformer(layers=6, hidden=1024, heads=16, seq_len=1024, vocab=32000)
+
+
+def skeleton_of(plan: Plan, cluster: Cluster) -> Skeleton:
+    return Skeleton(groups=plan.groups, kinds=tuple(Kind(cluster.slots[g.ranks[0]].group, g.tp) for g in plan.groups))
+
+
+def setting_of(plan: Plan) -> Setting:
+    return Setting(plan.micro_batch, plan.num_micro_batches, plan.schedule, plan.virtual_stages, plan.zero,
+                   plan.sequence_parallel)
+
+
+def mixed_plan(cluster: Cluster, schedule: str, zero: int, recompute: str, sp: bool) -> Plan:
+    """Two T4 groups (tp 2) then two V100 groups (tp 4... of 4 GPUs: tp 2, dp 2)."""
+    groups = (DeviceGroup(ranks=(4, 5), tp=2), DeviceGroup(ranks=(6, 7), tp=2),
+              DeviceGroup(ranks=(0, 1), tp=2), DeviceGroup(ranks=(2, 3), tp=2))
+    v = 2 if schedule == "interleaved-1f1b" else 1
+    bounds = [(0, 1), (1, 2), (2, 3), (3, 4), (4, 5), (5, 6), (6, 7), (7, 8)] if v == 2 else [(0, 1), (1, 2), (2, 5),
+                                                                                            (5, 8)]
+    stages = tuple(Stage(a, b, j % 4, recompute if j % 2 else "none") for j, (a, b) in enumerate(bounds))
+    return Plan(groups=groups, stages=stages, micro_batch=2, num_micro_batches=8, schedule=schedule,
+                virtual_stages=v, sequence_parallel=sp, zero=zero)
+
+
+HOMOGENEOUS = {
+    "1f1b-tp2-pp2-dp2": dict(tp=2, pp=2, dp=2, micro_batch=2, global_batch=32, schedule="1f1b"),
+    "gpipe-zero1-selective": dict(tp=1, pp=4, dp=2, micro_batch=1, global_batch=16, schedule="gpipe", zero=1,
+                                  recompute="selective"),
+    "interleaved-sp": dict(tp=4, pp=2, dp=1, micro_batch=2, global_batch=16, schedule="interleaved-1f1b",
+                           virtual_stages=2, sequence_parallel=True),
+    "zero-bubble-zero3-full": dict(tp=2, pp=2, dp=2, micro_batch=1, global_batch=16, schedule="zero-bubble",
+                                   zero=3, recompute="full"),
+    "single-stage-zero2": dict(tp=8, pp=1, dp=2, micro_batch=4, global_batch=32, zero=2),
+}
+CLUSTER = Cluster.homogeneous("A100-80GB", 2, 8, inter_node_GBps=25)
+MIXED = Cluster.load("examples/clusters/small-mixed-v100-t4.json")
+
+
+def cases():
+    out = {}
+    for name, kw in HOMOGENEOUS.items():
+        out[name] = (CLUSTER, Plan.uniform(GPT, CLUSTER, **kw))
+    for sched, zero, rec, sp in [("1f1b", 0, "full", False), ("interleaved-1f1b", 2, "selective", True),
+                                 ("zero-bubble", 3, "none", True), ("gpipe", 1, "full", True)]:
+        out[f"mixed-{sched}-zero{zero}"] = (MIXED, mixed_plan(MIXED, sched, zero, rec, sp))
+    return out
+
+
+CASES = cases()
+
+
+@pytest.mark.parametrize("case", CASES, ids=list(CASES))
+def test_stage_costs_and_memory_equal_the_cost_model(case):
+    cluster, plan = CASES[case]
+    plan.validate(GPT, cluster)
+    tables = Tables(GPT, cluster)
+    sk, st = skeleton_of(plan, cluster), setting_of(plan)
+    bounds = [(s.start, s.end) for s in plan.stages]
+    rec = [s.recompute for s in plan.stages]
+    analysis, figs = analyze(tables, sk, st, bounds, rec)
+    est = estimate(GPT, cluster, plan)
+    costs = stage_costs(GPT, cluster, plan, EstimateOptions())
+    for f, c in zip(figs, costs):
+        assert f.forward == pytest.approx(c.forward, rel=1e-12)
+        assert f.backward == pytest.approx(c.backward, rel=1e-12)
+        assert f.backward_input == pytest.approx(c.backward_input, rel=1e-12)
+        assert f.send_forward == pytest.approx(c.send_forward, rel=1e-9, abs=1e-15)
+        assert f.send_backward == pytest.approx(c.send_backward, rel=1e-9, abs=1e-15)
+        assert f.grad_reduce == pytest.approx(c.grad_reduce, rel=1e-9, abs=1e-15)
+        assert f.activation == pytest.approx(c.activation_bytes, rel=1e-12)
+    for mine, theirs in zip(analysis.memory, est.memory_by_group):
+        assert mine == pytest.approx(theirs.total, rel=1e-9)
+    assert analysis.fits == est.fits
+    # Short programs are simulated exactly; long ones use the closed form (checked below).
+    if simulated(st, sk.pp):
+        assert analysis.time_s == pytest.approx(est.iteration_time_s, rel=1e-9)
+
+
+LONG = {
+    "1f1b-m64": dict(tp=2, pp=4, dp=1, micro_batch=1, global_batch=64, schedule="1f1b"),
+    "gpipe-m64": dict(tp=2, pp=4, dp=2, micro_batch=1, global_batch=128, schedule="gpipe", zero=1),
+    "interleaved-m64": dict(tp=2, pp=2, dp=2, micro_batch=1, global_batch=128, schedule="interleaved-1f1b",
+                            virtual_stages=3),
+    "zero-bubble-m32": dict(tp=4, pp=4, dp=1, micro_batch=2, global_batch=64, schedule="zero-bubble",
+                            recompute="selective"),
+}
+
+
+@pytest.mark.parametrize("case", LONG, ids=list(LONG))
+def test_closed_form_is_close_to_the_simulation(case):
+    plan = Plan.uniform(GPT, CLUSTER, **LONG[case])
+    tables = Tables(GPT, CLUSTER)
+    sk, st = skeleton_of(plan, CLUSTER), setting_of(plan)
+    figs = stage_figures(tables, sk, st, [(s.start, s.end) for s in plan.stages], [s.recompute for s in plan.stages])
+    closed = pipeline_time(sk, st, figs, tables)
+    assert closed == pytest.approx(estimate(GPT, CLUSTER, plan).iteration_time_s, rel=0.05)
+
+
+@pytest.mark.parametrize("a,b", [((4,), (6,)), ((0, 1), (2, 3)), ((0, 1, 2, 3), (4, 5, 6, 7))],
+                         ids=["one-pair-cross-type", "tp2-same-node", "tp4-cross-node"])
+def test_p2p_equals_the_cost_model(a, b):
+    tables = Tables(GPT, MIXED)
+    for tp in (1, len(a)):
+        src, dst = DeviceGroup(ranks=a, tp=tp), DeviceGroup(ranks=b, tp=tp)
+        for nbytes in (1e6, 3e7):
+            assert tables.p2p(src, dst, nbytes) == pytest.approx(
+                p2p_time(MIXED, src.tp_groups(), dst.tp_groups(), nbytes), rel=1e-12)
+
+
+# ------------------------------------------------------------------ in flight
+
+def counted(schedule: str, pp: int, m: int, v: int) -> list[int]:
+    """Largest number of micro-batch chunks each rank holds, counted on the full program."""
+    groups = tuple(DeviceGroup(ranks=(g,), tp=1) for g in range(pp))
+    stages = tuple(Stage(start=j, end=j + 1, group=j % pp) for j in range(pp * v))
+    prog = build_program(Plan(groups=groups, stages=stages, micro_batch=1, num_micro_batches=m,
+                              schedule=schedule, virtual_stages=v))
+    release = "W" if prog.split_backward else "B"
+    out = []
+    for actions in prog.ranks:
+        live = top = 0
+        for act in actions:
+            live += 1 if act.kind == "F" else -1 if act.kind == release else 0
+            top = max(top, live)
+        out.append(top)
+    return out
+
+
+@pytest.mark.parametrize("schedule,pp,m,v", [
+    ("1f1b", 4, 16, 1), ("gpipe", 3, 5, 1), ("zero-bubble", 4, 32, 1), ("zero-bubble", 6, 48, 1),
+    ("zero-bubble", 5, 3, 1), ("interleaved-1f1b", 2, 16, 2), ("interleaved-1f1b", 4, 32, 3),
+    ("interleaved-1f1b", 3, 27, 2)], ids=lambda x: str(x))
+def test_inflight_summaries_match_the_full_program(schedule, pp, m, v):
+    fl = inflight(schedule, pp, m, v)
+    full = counted(schedule, pp, m, v)
+    # With equal chunks, the peak is the vector with the most micro-batches in all.
+    assert [max(sum(vec) for vec in peaks) for peaks in fl.peaks] == full
+    assert [sum(j) for j in fl.joint] == full
+
+
+# ---------------------------------------------------------------------- DP
+
+def all_splits(L: int, S: int):
+    for cuts in itertools.combinations(range(1, L), S - 1):
+        b = (0,) + cuts + (L,)
+        yield [(b[i], b[i + 1]) for i in range(S)]
+
+
+SPLIT_CASES = {
+    "1f1b-roomy": (40.0, Setting(2, 8, "1f1b", 1, 0, False), ("none",)),
+    "1f1b-tight-recompute": (3.2, Setting(2, 8, "1f1b", 1, 0, False), ("none", "selective", "full")),
+    "gpipe-tight": (3.6, Setting(1, 4, "gpipe", 1, 1, False), ("none", "full")),
+    "zero-bubble-zero3": (3.0, Setting(2, 4, "zero-bubble", 1, 3, False), ("none", "full")),
+}
+
+
+@pytest.mark.parametrize("case", SPLIT_CASES, ids=list(SPLIT_CASES))
+def test_dp_finds_the_smallest_period_that_fits(case):
+    memory, st, modes = SPLIT_CASES[case]
+    cluster = Cluster.from_dict({"node_groups": [{"name": "n", "nodes": 1, "gpus_per_node": 4, "device": {
+        "name": "toy", "memory_GiB": memory, "peak_TFLOPS": {"bf16": 100}, "memory_bandwidth_GBps": 1000}}]})
+    tables = Tables(GPT, cluster)
+    sk = Skeleton(groups=tuple(DeviceGroup(ranks=(g * 2, g * 2 + 1), tp=1) for g in range(2)), kinds=(Kind(0, 1),) * 2)
+    split = Splitter(tables).split(sk, st, modes)
+    best = None
+    for bounds in all_splits(GPT.num_layers, 2):
+        for rec in itertools.product(modes, repeat=2):
+            analysis, figs = analyze(tables, sk, st, bounds, rec)
+            if analysis.fits:
+                period = max(f.forward + f.backward for f in figs)
+                best = period if best is None else min(best, period)
+    if best is None:
+        assert split is None
+    else:
+        assert split is not None and split.period == pytest.approx(best, rel=1e-12)
+        analysis, _ = analyze(tables, sk, st, split.bounds, split.recompute)
+        assert analysis.fits
+
+
+# -------------------------------------------------------------------- bounds
+
+@pytest.mark.parametrize("schedule,b,zero,memory", [
+    ("1f1b", 1, 0, 40.0), ("1f1b", 2, 1, 3.0), ("gpipe", 1, 0, 4.0), ("zero-bubble", 1, 3, 3.0),
+    ("interleaved-1f1b", 1, 2, 40.0)], ids=lambda x: str(x))
+def test_time_bound_is_below_every_split(schedule, b, zero, memory):
+    cluster = Cluster.from_dict({"inter_node": {"bandwidth_GBps": 10}, "node_groups": [
+        {"name": "n", "nodes": 2, "gpus_per_node": 2, "device": {
+            "name": "toy", "memory_GiB": memory, "peak_TFLOPS": {"bf16": 100}, "memory_bandwidth_GBps": 1000}}]})
+    tables = Tables(GPT, cluster)
+    modes = tuple(RECOMPUTES)
+    bounds_ = Bounds(tables, modes, global_batch=16)
+    sk = Skeleton(groups=tuple(DeviceGroup(ranks=(2 * g, 2 * g + 1), tp=1) for g in range(2)), kinds=(Kind(0, 1),) * 2)
+    v = 2 if schedule == "interleaved-1f1b" else 1
+    st = Setting(b, 16 // (2 * b), schedule, v, zero, False)
+    lower = bounds_.time_bound(0, sk, st)
+    times = []
+    for bounds in all_splits(GPT.num_layers, 2 * v):
+        for rec in itertools.product(("none", "full"), repeat=2 * v):
+            analysis, _ = analyze(tables, sk, st, bounds, rec)
+            if analysis.fits:
+                times.append(analysis.time_s)
+    assert times, "the case must have fitting plans"
+    assert lower <= min(times) * (1 + 1e-9)
+    assert lower >= 0.3 * min(times), "a bound this loose would prune nothing"
+
+
+# ----------------------------------------------------------------- placement
+
+def test_placement_is_deterministic_and_respects_the_cluster():
+    model = models.get("gpt3-1.3b")
+    cluster = Cluster.load("examples/clusters/mixed-v100-t4.json")
+    tables = Tables(model, cluster)
+    runs = []
+    for _ in range(2):
+        stats = PlacementStats()
+        found = place(tables, dp=2, micro_batch=1, num_micro_batches=32, sequence_parallel=True,
+                      kinds=pool_kinds(tables, 2, [1, 2, 4, 8]), zeros=[0, 1, 2, 3], modes=["none", "full"],
+                      max_stages=32, use_all_gpus=False, alternatives=3, det_time_limit=1.0, seed=0, stats=stats)
+        runs.append([(sk.groups, sk.kinds) for sk in found])
+        assert stats.solves >= 1 and stats.skeletons == len(found) > 0
+    assert runs[0] == runs[1]
+    for groups, kinds in runs[0]:
+        used = {}
+        for g, k in zip(groups, kinds):
+            assert {cluster.slots[r].group for r in g.ranks} == {k.pool}   # one device type per group
+            assert g.dp == 2 and cluster.groups[k.pool].gpus_per_node % g.tp == 0
+            used[k.pool] = used.get(k.pool, 0) + len(g.ranks)
+        assert all(n <= cluster.groups[p].num_gpus for p, n in used.items())
+        assert len({r for g in groups for r in g.ranks}) == sum(len(g.ranks) for g in groups)
+
+
+def test_placement_can_be_forced_to_use_every_gpu():
+    model = models.get("gpt3-1.3b")
+    cluster = Cluster.load("examples/clusters/small-mixed-v100-t4.json")
+    tables = Tables(model, cluster)
+    found = place(tables, dp=2, micro_batch=1, num_micro_batches=8, sequence_parallel=False,
+                  kinds=pool_kinds(tables, 2, [1, 2]), zeros=[0], modes=["none", "full"], max_stages=8,
+                  use_all_gpus=True, alternatives=2, det_time_limit=1.0, seed=0, stats=PlacementStats())
+    assert found and all(sk.num_gpus == cluster.num_gpus for sk in found)
+
+
+def test_setting_replace_keeps_other_fields():
+    st = Setting(1, 8, "1f1b", 1, 0, False)
+    assert replace(st, zero=3).zero == 3 and replace(st, zero=3).num_micro_batches == 8
