@@ -99,10 +99,12 @@ class _Search:
 
     def schedules(self, pp: int) -> list[str]:
         if pp == 1:
-            # One stage: nothing to interleave. The other schedules still differ (GPipe
-            # holds every micro-batch, zero-bubble ends on a weight-gradient pass that the
-            # gradient reduction overlaps less), so each is tried.
-            return [s for s in self.c.schedules if s != "interleaved-1f1b"]
+            # One stage is plain gradient accumulation: there is no pipeline to fill, so
+            # one schedule stands for all of them (1F1B: one micro-batch in flight; GPipe
+            # would only hold more, and a "zero-bubble" or "interleaved" label on a
+            # single stage would mislead whoever reads the plan).
+            flat = [s for s in self.c.schedules if s != "interleaved-1f1b"]
+            return ["1f1b"] if "1f1b" in flat else flat[:1]
         return list(self.c.schedules)
 
     def settings(self, sk: Skeleton):
