@@ -58,6 +58,8 @@ _ALL: list[ModelConfig] = [
     _llama("llama2-13b", 40, 5120, 40, 40, 13824, 32000, 4096),
     _llama("llama2-70b", 80, 8192, 64, 8, 28672, 32000, 4096),
     # Llama 3 / 3.1 (Grattafiori et al. 2024, Table 3): vocab 128256, 8 kv heads.
+    # Llama 3.2 1B (Meta 2024 model card): 16 layers, tied input/output embeddings.
+    _llama("llama3.2-1b", 16, 2048, 32, 8, 8192, 128256, 8192, tie_embeddings=True),
     _llama("llama3-8b", 32, 4096, 32, 8, 14336, 128256, 8192),
     _llama("llama3-70b", 80, 8192, 64, 8, 28672, 128256, 8192),
     _llama("llama3-405b", 126, 16384, 128, 8, 53248, 128256, 8192),
@@ -96,6 +98,8 @@ PUBLISHED_PARAMS: dict[str, tuple[float, str]] = {
     "llama2-7b": (6.74e9, "Touvron et al. 2023 (Llama 2); meta-llama/Llama-2-7b-hf: 6.74B"),
     "llama2-13b": (13.0e9, "Touvron et al. 2023 (Llama 2); meta-llama/Llama-2-13b-hf: 13.0B"),
     "llama2-70b": (69.0e9, "Touvron et al. 2023 (Llama 2); meta-llama/Llama-2-70b-hf: 69.0B"),
+    "llama3.2-1b": (1.24e9, "Meta 2024, Llama 3.2 model card ('1.23B'); meta-llama/Llama-3.2-1B: "
+                            "1,235,814,400 parameters"),
     "llama3-8b": (8.03e9, "Grattafiori et al. 2024 (Llama 3); meta-llama/Meta-Llama-3-8B: 8.03B"),
     "llama3-70b": (70.6e9, "Grattafiori et al. 2024 (Llama 3); meta-llama/Meta-Llama-3-70B: 70.6B"),
     "llama3-405b": (405.8e9, "Grattafiori et al. 2024 (Llama 3.1); meta-llama/Llama-3.1-405B: 405.8B"),
