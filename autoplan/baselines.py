@@ -51,6 +51,14 @@ def _body_layers(model) -> int:
     return sum(1 for k in kinds if k not in ("embedding", "head"))
 
 
+def _meshes(gpus: int, tp: int, body_layers: int, global_batch: int):
+    """(pp, dp) for every pipeline depth, shallowest first, that uses all ``gpus`` with
+    tensor degree ``tp`` and whose data-parallel degree divides the global batch."""
+    for pp in range(1, max(body_layers, 1) + 1):
+        if gpus % (tp * pp) == 0 and global_batch % (gpus // (tp * pp)) == 0:
+            yield pp, gpus // (tp * pp)
+
+
 def megatron(model, cluster: Cluster, global_batch: int) -> Plan:
     """Megatron-LM's published practice.
 
@@ -75,12 +83,7 @@ def megatron(model, cluster: Cluster, global_batch: int) -> Plan:
     tp = _node_tp(model, cluster)
     body = _body_layers(model)
     lean = None
-    for pp in range(1, max(body, 1) + 1):
-        if n % (tp * pp):
-            continue
-        dp = n // (tp * pp)
-        if global_batch % dp:
-            continue
+    for pp, dp in _meshes(n, tp, body, global_batch):
         m = global_batch // dp
         interleave = pp > 1 and body % (2 * pp) == 0 and m % pp == 0
         schedule, v = ("interleaved-1f1b", 2) if interleave else ("1f1b", 1)
@@ -132,12 +135,7 @@ def deepspeed(model, cluster: Cluster, global_batch: int, variant: str = "zero3"
         tp = _node_tp(model, cluster)
         body = _body_layers(model)
         lean = None
-        for pp in range(1, max(body, 1) + 1):
-            if n % (tp * pp):
-                continue
-            dp = n // (tp * pp)
-            if global_batch % dp:
-                continue
+        for pp, dp in _meshes(n, tp, body, global_batch):
             for recompute in ("none", "full"):
                 plan = Plan.uniform(model, cluster, tp=tp, pp=pp, dp=dp, micro_batch=1, global_batch=global_batch,
                                     schedule="1f1b", recompute=recompute, zero=1 if dp > 1 else 0)

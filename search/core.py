@@ -118,22 +118,26 @@ class _Search:
         # reduction only); ZeRO-3 adds gathers to every micro-batch.
         low = tuple(z for z in zeros if z < 3 or dp == 1)
         z3 = dp > 1 and 3 in zeros
+        for b, m, sched, v in self._pipelinings(P, dp):
+            for sp in sps:
+                if low:
+                    yield Setting(b, m, sched, v, low[-1], sp), low
+                if z3:
+                    yield Setting(b, m, sched, v, 3, sp), (3,)
+
+    def _pipelinings(self, P: int, dp: int):
+        """(micro-batch, micro-batches, schedule, virtual stages) a pipeline of depth P
+        with dp replicas may run."""
         for b in self.mb_options(dp):
             m = self.gb // (dp * b)
             for sched in self.schedules(P):
-                if sched == "interleaved-1f1b":
-                    if P == 1 or m % P:
-                        continue
+                if sched != "interleaved-1f1b":
+                    yield b, m, sched, 1
+                elif P > 1 and m % P == 0:
                     vs = self.c.virtual_stages or range(2, self.c.max_virtual_stages + 1)
-                    vs = [v for v in vs if v >= 2 and P * v <= self.L]
-                else:
-                    vs = [1]
-                for v in vs:
-                    for sp in sps:
-                        if low:
-                            yield Setting(b, m, sched, v, low[-1], sp), low
-                        if z3:
-                            yield Setting(b, m, sched, v, 3, sp), (3,)
+                    for v in vs:
+                        if v >= 2 and P * v <= self.L:
+                            yield b, m, sched, v
 
     # --------------------------------------------------------- skeletons
     def homogeneous_skeletons(self) -> list[Skeleton]:
@@ -240,18 +244,7 @@ class _Search:
         P, dp = sk.pp, sk.dp
         n_sp = len(self.c.sequence_parallel) if any(k.tp > 1 for k in sk.kinds) else 1
         n_zero = len(self.c.zero) if dp > 1 else 1
-        total = 0
-        for b in self.mb_options(dp):
-            m = self.gb // (dp * b)
-            for sched in self.schedules(P):
-                if sched == "interleaved-1f1b":
-                    if P == 1 or m % P:
-                        continue
-                    vs = self.c.virtual_stages or range(2, self.c.max_virtual_stages + 1)
-                    total += sum(1 for v in vs if v >= 2 and P * v <= self.L)
-                else:
-                    total += 1
-        return total * n_sp * n_zero
+        return sum(1 for _ in self._pipelinings(P, dp)) * n_sp * n_zero
 
     def _best_first(self, skeletons: list[Skeleton]) -> list[tuple]:
         """Branch and bound over (skeleton, setting) in increasing order of the time bound.

@@ -18,6 +18,17 @@ def load_model(args, dtype: str = "bf16"):
     return models.get(args.model, dtype=dtype, **overrides)
 
 
+def load_profiles(folder: str | None):
+    """The profiles `estimate` and `search` hand the cost model: a folder given with
+    --profiles, else the shipped ones (one default, so the two commands agree on every
+    plan); None when the profiler cannot be imported."""
+    try:
+        from autoplan.profiler import ProfileStore
+    except ImportError:
+        return None
+    return ProfileStore.load(folder) if folder else ProfileStore.shipped()
+
+
 def gib(x: float) -> str:
     return f"{x / GiB:.1f}"
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import json
 
-from autoplan.commands._common import add_model_args, gib, load_model, table
+from autoplan.commands._common import add_model_args, gib, load_model, load_profiles, table
 
 
 def register(sub) -> None:
@@ -23,21 +23,13 @@ def register(sub) -> None:
     p.set_defaults(func=run)
 
 
-def _profiles(folder):
-    try:
-        from autoplan.profiler import ProfileStore
-    except ImportError:
-        return None
-    return ProfileStore.load(folder) if folder else ProfileStore.shipped()
-
-
 def run(args) -> int:
     from autoplan import Cluster, Plan, estimate
     cluster = Cluster.load(args.cluster)
     plan = Plan.load(args.plan)
     model = load_model(args, dtype=plan.dtype)
     est = estimate(model, cluster, plan, overlap_grad_reduce=not args.no_overlap,
-                   profiles=_profiles(args.profiles))
+                   profiles=load_profiles(args.profiles))
     if args.json:
         print(json.dumps(est.to_dict(), indent=2))
     else:

@@ -5,7 +5,7 @@ import json
 import sys
 import textwrap
 
-from autoplan.commands._common import add_model_args, load_model
+from autoplan.commands._common import add_model_args, load_model, load_profiles
 
 
 def _ints(text: str) -> list[int]:
@@ -46,15 +46,6 @@ def register(sub) -> None:
     p.set_defaults(func=run)
 
 
-def _profiles(folder):
-    # The same default as `autoplan estimate`, so the two commands agree on every plan.
-    try:
-        from autoplan.profiler import ProfileStore
-    except ImportError:
-        return None
-    return ProfileStore.load(folder) if folder else ProfileStore.shipped()
-
-
 def run(args) -> int:
     from autoplan import Cluster
     from autoplan.errors import NoPlanFitsError
@@ -65,7 +56,7 @@ def run(args) -> int:
     model = load_model(args)
     constraints = {"progress": not args.no_progress and not args.json,
                    "options": EstimateOptions(overlap_grad_reduce=not args.no_overlap,
-                                              profiles=_profiles(args.profiles))}
+                                              profiles=load_profiles(args.profiles))}
     for name in ("tp", "pp", "dp", "micro_batch", "schedules", "recompute", "zero"):
         value = getattr(args, name)
         if value is not None:

@@ -291,13 +291,15 @@ class ProfileStore:
             k = self._keys[layer] = shape_key(layer)
         return k
 
+    def _series_of(self, device: DeviceSpec, key: ShapeKey, tp: int, dtype: str) -> "_Series | None":
+        """The measurements of one layer shape at one tensor-parallel degree, if any."""
+        dev = self._device_key(device, dtype)
+        return None if dev is None else self._series[dev].get((key.fingerprint, tp))
+
     def _lookup(self, device: DeviceSpec, layer: LayerSpec, micro_batch: int, tp: int, dtype: str,
                 names: tuple[str, ...]) -> dict[str, float] | None:
-        dev = self._device_key(device, dtype)
-        if dev is None:
-            return None
         k = self.key(layer)
-        series = self._series[dev].get((k.fingerprint, tp))
+        series = self._series_of(device, k, tp, dtype)
         if series is None:
             return None
         out = {}
@@ -335,11 +337,8 @@ class ProfileStore:
         if recompute == "none":
             got = self._lookup(device, layer, micro_batch, tp, dtype, ("saved_bytes",))
             return None if got is None else got["saved_bytes"]
-        dev = self._device_key(device, dtype)
-        if dev is None:
-            return None
         k = self.key(layer)
-        series = self._series[dev].get((k.fingerprint, tp))
+        series = self._series_of(device, k, tp, dtype)
         if series is None:
             return None
         flat = _Series({t: {b: {"saved_bytes": e["recompute"][recompute]["saved_bytes"]}
