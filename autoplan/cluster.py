@@ -219,10 +219,11 @@ class Cluster:
             lines.append(f"  {self.description}")
         for g in self.groups:
             d = g.device
-            bf16 = d.peak("bf16") / TFLOPS
+            # Name the dtype the half-precision peak really is (a V100 runs bf16 work as fp16).
+            half = next(t for t in ("bf16", "fp16", "fp32") if t in d.peak_flops)
             nic = self.nic(self.groups.index(g))
             lines.append(
                 f"  {g.name}: {g.nodes} x {g.gpus_per_node} {d.name}  {d.memory_bytes / GiB:.0f} GiB, "
-                f"{bf16:.0f} TFLOP/s bf16, {d.memory_bandwidth / GB:.0f} GB/s HBM; "
+                f"{d.peak_flops[half] / TFLOPS:.0f} TFLOP/s {half}, {d.memory_bandwidth / GB:.0f} GB/s HBM; "
                 f"intra-node {g.intra_node.bandwidth / GB:g} GB/s, NIC {nic.bandwidth / GB:g} GB/s per GPU")
         return "\n".join(lines)

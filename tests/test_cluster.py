@@ -103,3 +103,12 @@ def test_cluster_summary_mentions_memory_and_links():
     text = autoplan.Cluster.load("examples/clusters/dgx-a100-1node.json").summary()
     assert "A100" in text and "GiB" in text and "GB/s" in text
     assert autoplan.get_device("A100-80GB").memory_bytes == 80 * GiB
+
+
+@pytest.mark.parametrize("path, expect", [
+    ("examples/clusters/dgx-a100-1node.json", "312 TFLOP/s bf16"),
+    # Volta and Turing have no bf16 units: the summary names the fp16 peak they run at.
+    ("examples/clusters/mixed-v100-t4.json", "125 TFLOP/s fp16"),
+], ids=["a100-bf16", "v100-fp16"])
+def test_cluster_summary_names_the_dtype_of_its_peak(path, expect):
+    assert expect in autoplan.Cluster.load(path).summary()
