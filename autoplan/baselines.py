@@ -46,6 +46,20 @@ def _fits(model, cluster: Cluster, plan: Plan) -> bool:
     return estimate(model, cluster, plan).fits
 
 
+def _first_fitting(model, cluster: Cluster, plans, layouts: str, global_batch: int) -> Plan:
+    """The first of ``plans`` (ordered from the rule's preferred to its leanest) that fits,
+    else the last one tried, the leanest; a recipe with no layout at all is an error."""
+    lean = None
+    for plan in plans:
+        if _fits(model, cluster, plan):
+            return plan
+        lean = plan
+    if lean is None:
+        raise ConfigError("global_batch", f"{layouts} has a data-parallel degree dividing {global_batch}",
+                          "use a global batch divisible by the GPU count")
+    return lean
+
+
 def _body_layers(model) -> int:
     kinds = [l.kind for l in model.layers]
     return sum(1 for k in kinds if k not in ("embedding", "head"))
@@ -82,22 +96,18 @@ def megatron(model, cluster: Cluster, global_batch: int) -> Plan:
     n = cluster.num_gpus
     tp = _node_tp(model, cluster)
     body = _body_layers(model)
-    lean = None
-    for pp, dp in _meshes(n, tp, body, global_batch):
-        m = global_batch // dp
-        interleave = pp > 1 and body % (2 * pp) == 0 and m % pp == 0
-        schedule, v = ("interleaved-1f1b", 2) if interleave else ("1f1b", 1)
-        for recompute in ("none", "selective", "full"):
-            plan = Plan.uniform(model, cluster, tp=tp, pp=pp, dp=dp, micro_batch=1, global_batch=global_batch,
-                                schedule=schedule, virtual_stages=v, recompute=recompute,
-                                sequence_parallel=tp > 1)
-            lean = plan
-            if _fits(model, cluster, plan):
-                return plan
-    if lean is None:
-        raise ConfigError("global_batch", f"no Megatron layout of {n} GPUs (tp={tp}) has a data-parallel "
-                          f"degree dividing {global_batch}", "use a global batch divisible by the GPU count")
-    return lean
+
+    def plans():
+        for pp, dp in _meshes(n, tp, body, global_batch):
+            m = global_batch // dp
+            interleave = pp > 1 and body % (2 * pp) == 0 and m % pp == 0
+            schedule, v = ("interleaved-1f1b", 2) if interleave else ("1f1b", 1)
+            for recompute in ("none", "selective", "full"):
+                yield Plan.uniform(model, cluster, tp=tp, pp=pp, dp=dp, micro_batch=1, global_batch=global_batch,
+                                   schedule=schedule, virtual_stages=v, recompute=recompute,
+                                   sequence_parallel=tp > 1)
+
+    return _first_fitting(model, cluster, plans(), f"no Megatron layout of {n} GPUs (tp={tp})", global_batch)
 
 
 def deepspeed(model, cluster: Cluster, global_batch: int, variant: str = "zero3") -> Plan:
@@ -123,27 +133,16 @@ def deepspeed(model, cluster: Cluster, global_batch: int, variant: str = "zero3"
         dp = max(d for d in range(1, n + 1) if global_batch % d == 0 and n % d == 0)
         per_replica = global_batch // dp
         sizes = sorted((b for b in range(1, per_replica + 1) if per_replica % b == 0), reverse=True)
-        for recompute in ("none", "full"):
-            for b in sizes:
-                plan = Plan.uniform(model, cluster, tp=1, pp=1, dp=dp, micro_batch=b, global_batch=global_batch,
-                                    recompute=recompute, zero=3)
-                if _fits(model, cluster, plan):
-                    return plan
-        return Plan.uniform(model, cluster, tp=1, pp=1, dp=dp, micro_batch=1, global_batch=global_batch,
-                            recompute="full", zero=3)
+        # The last plan tried (micro-batch 1, full recompute) is the leanest.
+        plans = (Plan.uniform(model, cluster, tp=1, pp=1, dp=dp, micro_batch=b, global_batch=global_batch,
+                              recompute=recompute, zero=3)
+                 for recompute in ("none", "full") for b in sizes)
+        return _first_fitting(model, cluster, plans, f"no ZeRO-3 layout of {n} GPUs", global_batch)
     if variant == "3d":
         tp = _node_tp(model, cluster)
         body = _body_layers(model)
-        lean = None
-        for pp, dp in _meshes(n, tp, body, global_batch):
-            for recompute in ("none", "full"):
-                plan = Plan.uniform(model, cluster, tp=tp, pp=pp, dp=dp, micro_batch=1, global_batch=global_batch,
-                                    schedule="1f1b", recompute=recompute, zero=1 if dp > 1 else 0)
-                lean = plan
-                if _fits(model, cluster, plan):
-                    return plan
-        if lean is None:
-            raise ConfigError("global_batch", f"no 3D layout of {n} GPUs (tp={tp}) has a data-parallel degree "
-                              f"dividing {global_batch}", "use a global batch divisible by the GPU count")
-        return lean
+        plans = (Plan.uniform(model, cluster, tp=tp, pp=pp, dp=dp, micro_batch=1, global_batch=global_batch,
+                              schedule="1f1b", recompute=recompute, zero=1 if dp > 1 else 0)
+                 for pp, dp in _meshes(n, tp, body, global_batch) for recompute in ("none", "full"))
+        return _first_fitting(model, cluster, plans, f"no 3D layout of {n} GPUs (tp={tp})", global_batch)
     raise ConfigError("variant", f"{variant!r} is not a DeepSpeed recipe", "choose 'zero3' or '3d'")
