@@ -69,6 +69,11 @@ class TransformerConfig:
     """RMSNorm runs as one fused GPU kernel saving the bf16 input and rstd (PyTorch >= 2.8 on
     CUDA, Apex, Transformer Engine); False = the eager fp32 decomposition, which saves fp32
     copies and moves more bytes."""
+    dropout: float = 0.0
+    """Dropout probability on both residual branches and, with 'math' attention, on the
+    attention probabilities (Megatron-LM's hidden and attention dropout, GPT-2/3's 0.1).
+    Training keeps a one-byte mask per dropped element for the backward; fused attention
+    regenerates its mask from the RNG state instead."""
 
     def resolved(self) -> "TransformerConfig":
         """A copy with every family default filled in, validated."""
@@ -109,6 +114,8 @@ class TransformerConfig:
                               ("attention", ATTENTIONS)):
             if getattr(c, name) not in choices:
                 raise ConfigError(name, f"{getattr(c, name)!r} is not one of {list(choices)}")
+        if isinstance(c.dropout, bool) or not isinstance(c.dropout, (int, float)) or not 0 <= c.dropout < 1:
+            raise ConfigError("dropout", f"must be a probability in [0, 1), got {c.dropout!r}")
         if c.arch == "moe":
             if c.num_experts < 2:
                 raise ConfigError("num_experts", f"an moe model needs >= 2 experts, got {c.num_experts}")

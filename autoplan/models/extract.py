@@ -201,6 +201,39 @@ class _FusedRMSNorm(nn.Module):
         return _FusedRMSNormFn.apply(x, self.weight, self.eps)
 
 
+class _DropoutFn(torch.autograd.Function):
+    """Dropout as CUDA runs it (``native_dropout``): one kernel that keeps a one-byte bool
+    mask for the backward. On meta, ``native_dropout`` returns its mask in the input's
+    dtype, which would count two bytes per element."""
+
+    @staticmethod
+    def forward(ctx, x, p):
+        with _fused_kernel(x) as outputs:
+            mask = torch.empty(x.shape, dtype=torch.bool, device=x.device)
+            out = x * (1.0 / (1.0 - p))
+            outputs += [out, mask]
+        ctx.save_for_backward(mask)
+        ctx.scale = 1.0 / (1.0 - p)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        (mask,) = ctx.saved_tensors
+        with _fused_kernel(grad, mask) as outputs:
+            dx = grad * ctx.scale
+            outputs.append(dx)
+        return dx, None
+
+
+class _Dropout(nn.Module):
+    def __init__(self, p: float):
+        super().__init__()
+        self.p = p
+
+    def forward(self, x):
+        return _DropoutFn.apply(x, self.p)
+
+
 @dataclass
 class _Measurement:
     params: float
@@ -286,6 +319,17 @@ def _measure(unit: nn.Module, x: torch.Tensor, loss=None) -> _Measurement:
         output_bytes=float(out.nbytes) if loss is None else 0.0, output=out.detach())
 
 
+def _measure_last(unit: nn.Module, x: torch.Tensor, loss) -> _Measurement:
+    """The last unit with its loss: kernels, FLOPs and traffic include the loss, but the
+    saved bytes are the unit's own and the output is the logits. What the loss keeps (an
+    fp32 softmax, a fused kernel's statistics, ...) depends on the training stack, which
+    the cost model adds per logit (``autoplan.stacks.Stack.loss_saved_bytes_per_logit``)."""
+    with_loss = _measure(unit, x, loss=loss)
+    own = _measure(unit, x)
+    return dataclasses.replace(with_loss, saved_bytes=own.saved_bytes, core_saved_bytes=own.core_saved_bytes,
+                               output_bytes=own.output_bytes)
+
+
 def _split(base: float, wide: float) -> Split:
     """Replicated/sharded parts from a measurement at TP shapes 1 and 1/2."""
     sharded = max(wide - base, 0.0)
@@ -361,6 +405,11 @@ def _prepare(model: nn.Module, dtype: torch.dtype, flash: bool, causal: bool,
              fused_norm: bool = True) -> nn.Module:
     """Put the GPU kernels' memory behaviour into the meta model (see the classes above)."""
     model = model.to(dtype)
+    for unit in model.layers:
+        for name, m in list(unit.named_modules()):
+            if isinstance(m, nn.Dropout) and m.p > 0:
+                parent = unit.get_submodule(name.rsplit(".", 1)[0]) if "." in name else unit
+                setattr(parent, name.rsplit(".", 1)[-1], _Dropout(m.p))
     for unit in (model.layers if fused_norm else ()):
         for name, m in list(unit.named_modules()):
             if isinstance(m, nn.RMSNorm) and m.weight is not None:
@@ -413,9 +462,10 @@ def spec_from_config(cfg, dtype: str = "bf16") -> ModelSpec:
             sig = _signature(unit, x)
             if sig in cache and not last:
                 m = cache[sig]
+            elif last:
+                m = _measure_last(unit, x, lambda o, t=targets: loss_fn(o, t))
             else:
-                m = _measure(unit, x, loss=(lambda o, t=targets: loss_fn(o, t)) if last else None)
-                cache[sig] = m
+                m = cache[sig] = _measure(unit, x)
             results.append((unit, m))
             if not last:
                 x = m.output
@@ -479,10 +529,10 @@ def spec_from_module(module: nn.Module, example_inputs: torch.Tensor, name: str 
         x = x.to(torch_dtype)
     layers = []
     for i, unit in enumerate(meta_units):
-        last = i == len(meta_units) - 1
-        m = _measure(unit, x, loss=loss if last else None)
+        last = i == len(meta_units) - 1 and loss is not None
         x2 = torch.cat([x, x], 0) if x.dim() > 0 else x
-        m2 = _measure(unit, x2, loss=loss if last else None)
+        m = _measure_last(unit, x, loss) if last else _measure(unit, x)
+        m2 = _measure_last(unit, x2, loss) if last else _measure(unit, x2)
         layers.append(_layer_spec(f"{type(unit).__name__.lower()}.{i}", unit, m, None, m2, False, False))
         x = m.output
     seq = example_inputs.shape[1] if example_inputs.dim() > 1 else 1

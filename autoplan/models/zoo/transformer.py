@@ -158,12 +158,14 @@ class FlashAttentionCore(nn.Module):
 
 class MathAttentionCore(nn.Module):
     """Explicit attention, ``softmax(q k^T / sqrt(d) + causal mask) v``, as Megatron-LM did
-    before FlashAttention: autograd saves the [b, heads, s, s] probabilities, which is the
-    activation memory that selective recomputation exists to drop."""
+    before FlashAttention: autograd saves the [b, heads, s, s] probabilities (and, with
+    dropout, the mask and the dropped probabilities), which is the activation memory that
+    selective recomputation exists to drop."""
 
-    def __init__(self, causal: bool):
+    def __init__(self, causal: bool, dropout: float = 0.0):
         super().__init__()
         self.causal = causal
+        self.dropout = nn.Dropout(dropout) if dropout else nn.Identity()
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         k, v = repeat_kv(k, q.shape[1]), repeat_kv(v, q.shape[1])
@@ -173,7 +175,7 @@ class MathAttentionCore(nn.Module):
         if self.causal:
             future = torch.ones(s, s, dtype=torch.bool, device=q.device).triu(1)
             scores = scores.masked_fill(future, float("-inf"))
-        return torch.softmax(scores, dim=-1) @ v
+        return self.dropout(torch.softmax(scores, dim=-1)) @ v
 
 
 class Attention(nn.Module):
@@ -188,8 +190,10 @@ class Attention(nn.Module):
         self.wk = nn.Linear(cfg.hidden, cfg.kv_heads * cfg.head_dim, bias=cfg.bias)
         self.wv = nn.Linear(cfg.hidden, cfg.kv_heads * cfg.head_dim, bias=cfg.bias)
         self.wo = nn.Linear(cfg.heads * cfg.head_dim, cfg.hidden, bias=cfg.bias)
-        core = FlashAttentionCore if cfg.attention == "flash" else MathAttentionCore
-        self.core = core(cfg.causal)
+        # Fused attention's own dropout keeps no mask (it is regenerated from the RNG state);
+        # it is left out here, which changes no shape, FLOP or saved byte.
+        self.core = FlashAttentionCore(cfg.causal) if cfg.attention == "flash" else MathAttentionCore(
+            cfg.causal, cfg.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, _ = x.shape
@@ -293,14 +297,17 @@ class Block(nn.Module):
             self.moe = MoE(cfg)
         else:
             self.mlp = MLP(cfg.hidden, cfg.ffn_hidden, cfg.mlp, cfg.bias)
+        # Megatron's hidden dropout on each residual branch (parameter-free).
+        self.dropout = nn.Dropout(cfg.dropout) if cfg.dropout else nn.Identity()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ffn = self.moe if self.is_moe else self.mlp
+        drop = self.dropout
         if self.pre_norm:
-            x = x + self.attention(self.attention_norm(x))
-            return x + ffn(self.mlp_norm(x))
-        x = self.attention_norm(x + self.attention(x))
-        return self.mlp_norm(x + ffn(x))
+            x = x + drop(self.attention(self.attention_norm(x)))
+            return x + drop(ffn(self.mlp_norm(x)))
+        x = self.attention_norm(x + drop(self.attention(x)))
+        return self.mlp_norm(x + drop(ffn(x)))
 
     def tp_plan(self) -> TPPlan:
         ffn_name = "moe" if self.is_moe else "mlp"
