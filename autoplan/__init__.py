@@ -10,6 +10,8 @@ predict its step time and memory, and run it on PyTorch's distributed stack.
 """
 from __future__ import annotations
 
+import os
+
 from autoplan import models
 from autoplan.catalog import DeviceSpec, Link, get_device
 from autoplan.cluster import Cluster, NodeGroup
@@ -24,17 +26,34 @@ __all__ = ["Cluster", "NodeGroup", "DeviceSpec", "Link", "get_device", "Plan", "
            "AutoplanError", "ConfigError", "NoPlanFitsError"]
 
 
-def estimate(model, cluster, plan, **options):
-    """Predict iteration time and per-rank memory of ``plan`` (see costmodel.estimate)."""
+def _calibration(calibration):
+    if calibration is None or not isinstance(calibration, (str, os.PathLike)):
+        return calibration
+    from costmodel.calibration import Calibration
+    return Calibration.load(calibration)
+
+
+def estimate(model, cluster, plan, stack=None, calibration=None, **options):
+    """Predict iteration time and per-rank memory of ``plan`` on the training ``stack``
+    (a name such as 'megatron-core', a stack .json path, or None for autoplan's runtime),
+    optionally with a ``calibration`` (a Calibration or its .json path); other keywords
+    are ``costmodel.EstimateOptions`` fields (see costmodel.estimate)."""
     # Imported here: costmodel sits above this package's core modules in the layering.
     from costmodel import estimate as _estimate
-    return _estimate(models.get(model, dtype=plan.dtype), cluster, plan, **options)
+    from autoplan.stacks import get_stack
+    stack = get_stack(stack)
+    return _estimate(models.for_stack(model, stack, dtype=plan.dtype), cluster, plan, stack=stack,
+                     calibration=_calibration(calibration), **options)
 
 
-def search(model, cluster, global_batch: int, **constraints):
-    """Find the best plans for ``model`` on ``cluster`` (see search.search)."""
+def search(model, cluster, global_batch: int, stack=None, calibration=None, **constraints):
+    """Find the best plans for ``model`` on ``cluster`` for the training ``stack`` (see
+    search.search; ``calibration`` as for :func:`estimate`)."""
     from search import search as _search
-    return _search(models.get(model), cluster, global_batch, **constraints)
+    from autoplan.stacks import get_stack
+    stack = get_stack(stack)
+    return _search(models.for_stack(model, stack), cluster, global_batch, stack=stack,
+                   calibration=_calibration(calibration), **constraints)
 
 
 def __getattr__(name):

@@ -7,6 +7,7 @@ and unknown keys are reported with the closest valid spelling.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 from typing import Any, Iterable, Mapping
@@ -125,3 +126,22 @@ def load_json(path: str | Path, what: str = "file", fix: str | None = None) -> A
         raise ConfigError(str(path), f"is a directory, expected a JSON {what}") from None
     except json.JSONDecodeError as e:
         raise ConfigError(str(path), f"is not valid JSON (line {e.lineno}, column {e.colno}: {e.msg})", fix) from None
+
+
+def write_text_atomic(path: str | Path, text: str) -> None:
+    """Write ``text`` to ``path`` so that a reader sees the old file or the new one, never
+    half of one: a fresh, unpredictably named temporary file in the same directory
+    (created exclusively, so a link planted there is never followed), then an atomic
+    rename over ``path``."""
+    import os
+    import tempfile
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent or ".")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise

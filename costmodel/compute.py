@@ -44,20 +44,33 @@ class ProfileSource(Protocol):
 
 def gemm_time(device: DeviceSpec, eff: Efficiency, m: float, n: float, k: float, count: float,
               dtype: str) -> float:
-    """Seconds for ``count`` GEMMs of (m x k) @ (k x n)."""
+    """Seconds for ``count`` GEMMs of (m x k) @ (k x n).
+
+    Output tiles of ``eff.tile`` x ``eff.tile`` are spread over the device's SMs in waves;
+    partial edge tiles and a part-filled last wave idle SMs. When there are fewer output
+    tiles than SMs and the reduction is long, the library splits it (cuBLAS split-K /
+    stream-K): ``split`` slices of at least ``eff.split_k_min`` each run on otherwise idle
+    SMs and their partial sums are added (the extra traffic counted in the memory term).
+    Each tile's (or slice's) short-reduction loss is k / (k + k_half). The kernel takes the
+    longer of its compute and its memory traffic."""
     if m <= 0 or n <= 0 or k <= 0 or count <= 0:
         return 0.0
     flops = 2.0 * m * n * k * count
-    util = 1.0
+    util, split = 1.0, 1.0
     if device.compute_units and eff.tile > 1:
         tm, tn = math.ceil(m / eff.tile), math.ceil(n / eff.tile)
         tiles = tm * tn * math.ceil(count)
-        waves = math.ceil(tiles / device.compute_units)
-        # Partial tiles at the edges and a last, partly filled wave both idle SMs.
-        util = (tiles / (waves * device.compute_units)) * (m * n) / (tm * tn * eff.tile ** 2)
-    k_eff = k / (k + eff.k_half)
+        if tiles < device.compute_units and eff.split_k_min > 0:
+            split = float(max(1, min(device.compute_units // tiles, math.ceil(k / eff.split_k_min))))
+        work = tiles * split
+        waves = math.ceil(work / device.compute_units)
+        util = (work / (waves * device.compute_units)) * (m * n) / (tm * tn * eff.tile ** 2)
+    k_slice = k / split
+    k_eff = k_slice / (k_slice + eff.k_half)
     t_compute = flops / (device.peak(dtype) * eff.matmul * util * k_eff)
-    t_memory = (m * k + k * n + m * n) * count * DTYPE_BYTES[dtype] / (device.memory_bandwidth * eff.memory)
+    elem = DTYPE_BYTES[dtype]
+    traffic = (m * k + k * n + m * n) * elem + (split - 1) * m * n * 4 * 2   # fp32 partials written and read
+    t_memory = traffic * count / (device.memory_bandwidth * eff.memory)
     return max(t_compute, t_memory)
 
 
@@ -72,14 +85,16 @@ def _gemms_time(device, eff, gemms: tuple[Gemm, ...], micro_batch: int, tp: int,
 
 @lru_cache(maxsize=65536)
 def roofline_timing(device: DeviceSpec, eff: Efficiency, layer: LayerSpec, micro_batch: int, tp: int,
-                    sequence_parallel: bool, dtype: str) -> LayerTiming:
-    """Roofline estimate of one layer (cached: the search asks for the same layer often)."""
+                    sequence_parallel: bool, dtype: str, attention: str = "flash2") -> LayerTiming:
+    """Roofline estimate of one layer (cached: the search asks for the same layer often).
+    ``attention`` is the fused attention kernel class of the training stack."""
     b, sp = micro_batch, sequence_parallel
     peak = device.peak(dtype)
     causal = 0.5 if layer.causal else 1.0
     bw = device.memory_bandwidth * eff.memory
-    attn_f = layer.attention_flops_fwd.at(tp) * b * causal / (peak * eff.attention_fwd)
-    attn_b = layer.attention_flops_bwd.at(tp) * b * causal / (peak * eff.attention_bwd)
+    att_fwd, att_bwd = eff.attention(attention)
+    attn_f = layer.attention_flops_fwd.at(tp) * b * causal / (peak * att_fwd)
+    attn_b = layer.attention_flops_bwd.at(tp) * b * causal / (peak * att_bwd)
     fwd = (_gemms_time(device, eff, layer.gemms_fwd, b, tp, dtype) + attn_f
            + layer.memory_bytes_fwd.at(tp, sp) * b / bw + layer.kernels_fwd * eff.launch_s)
     weight = _gemms_time(device, eff, layer.gemms_bwd, b, tp, dtype, lambda g: g.batch_dim == "k")
@@ -92,14 +107,16 @@ def roofline_timing(device: DeviceSpec, eff: Efficiency, layer: LayerSpec, micro
 
 
 def layer_timing(device: DeviceSpec, layer: LayerSpec, micro_batch: int, tp: int, sequence_parallel: bool,
-                 dtype: str, profiles: ProfileSource | None = None) -> LayerTiming:
-    """Measured timing when a profile covers this device and layer, else the roofline
-    (with efficiencies fitted from profiles of this device when available)."""
-    eff = None
+                 dtype: str, profiles: ProfileSource | None = None, attention: str = "flash2",
+                 efficiency: Efficiency | None = None) -> LayerTiming:
+    """Measured timing when a profile covers this device and layer, else the roofline with
+    ``efficiency`` (a calibration's), efficiencies fitted from profiles of this device, or
+    the device family's defaults, in that order."""
+    eff = efficiency
     if profiles is not None:
         measured = profiles.layer_timing(device, layer, micro_batch, tp, sequence_parallel, dtype)
         if measured is not None:
             return measured
-        eff = profiles.efficiency(device)
+        eff = eff or profiles.efficiency(device)
     return roofline_timing(device, eff or default_efficiency(device.name), layer, micro_batch, tp,
-                           sequence_parallel, dtype)
+                           sequence_parallel, dtype, attention)

@@ -1,16 +1,20 @@
 """How close real kernels come to a device's spec-sheet peaks, when no measured profile
-says otherwise. Each figure is a property of the hardware and library generation, not
-of any benchmark this project is checked against; measured profiles override them
-(:mod:`autoplan.profiler` fits them per device).
+says otherwise. Each figure is a property of the hardware and library generation, fitted
+to kernel measurements (never to the end-to-end training runs the cost model is checked
+against); measured profiles and calibrations override them.
 
 Sources of the defaults:
-* matmul: cuBLAS bf16 GEMMs of transformer shapes reach ~80% of the A100's 312 TFLOP/s
-  and ~70% of the H100 SXM's 989 TFLOP/s (the H100 is power- and clock-limited under
-  sustained tensor-core load); NVIDIA's "Deep Learning Performance" GEMM guide
-  describes the tile and wave-quantization losses modelled below.
-* fused attention: FlashAttention-2 (Dao, 2023) reports 50-73% of A100 peak forward and
-  ~63% backward at head dim 128, and 35-50% of H100 peak (FlashAttention-3, Shah et al.
-  2024, gets 75% with Hopper-specific kernels that eager PyTorch does not use).
+* H100: ``benchmarks/results/gpu/h100/`` (``python benchmarks/gpu_kernels.py``, H100 SXM
+  80GB, PyTorch 2.11, cuBLAS of CUDA 13): 330 bf16 GEMMs fitted by ``gemm_time``'s model
+  give matmul 0.72, k_half 63, memory 0.78 (mean |error| 5.6% over the transformer
+  shapes); PyTorch SDPA (FlashAttention-2 kernels) reaches 0.30 of peak forward and 0.27
+  backward (median, seq >= 2048); elementwise kernels move 0.87 of HBM bandwidth.
+  FlashAttention-3 reaches 0.6-0.75 of the H100's peak forward (Shah et al. 2024, Fig. 5)
+  and about 0.5 backward; cuDNN / Transformer Engine kernels are of that class.
+* A100: cuBLAS bf16 GEMMs of transformer shapes reach ~80% of 312 TFLOP/s; FlashAttention-2
+  (Dao 2023, Fig. 4-5) 50-73% forward, ~60% backward at head dim 128.
+* V100 / T4 / MI: vendor GEMM efficiency; the T4's 70 W power limit holds its sustained
+  tensor-core clock far below the 1590 MHz boost the 65 TFLOP/s peak assumes.
 * bandwidth-bound kernels reach 70-90% of HBM bandwidth (STREAM-like copies).
 * NCCL ring collectives reach ~80-90% of the link's per-direction bandwidth (the
   "bus bandwidth" of nccl-tests) for large messages.
@@ -41,12 +45,27 @@ class Efficiency:
     """Output tile side of the GEMM kernels (wave quantization)."""
     k_half: float = 64.0
     """Reduction length at which a GEMM reaches half its large-k efficiency."""
+    split_k_min: float = 512.0
+    """Shortest reduction slice a split-K / stream-K GEMM gives one SM (0: no splitting)."""
+    flash3_fwd: float = 0.0
+    """Hopper-specific fused attention (FlashAttention-3, cuDNN) forward; 0 = as attention_fwd."""
+    flash3_bwd: float = 0.0
+    """... and backward; 0 = as attention_bwd."""
+
+    def attention(self, kernel: str) -> tuple[float, float]:
+        """(forward, backward) efficiency of a fused attention kernel class ('flash2' or
+        'flash3'; see autoplan.stacks.ATTENTION_KERNELS)."""
+        if kernel == "flash3" and self.flash3_fwd:
+            return self.flash3_fwd, self.flash3_bwd or self.attention_bwd
+        return self.attention_fwd, self.attention_bwd
 
 
 _BY_FAMILY = {
     "A100": Efficiency(matmul=0.80, attention_fwd=0.62, attention_bwd=0.52),
-    "H100": Efficiency(matmul=0.70, attention_fwd=0.45, attention_bwd=0.38, launch_s=3e-6),
-    "H200": Efficiency(matmul=0.72, attention_fwd=0.45, attention_bwd=0.38, launch_s=3e-6),
+    "H100": Efficiency(matmul=0.72, k_half=63.0, memory=0.78, attention_fwd=0.30, attention_bwd=0.27,
+                       flash3_fwd=0.60, flash3_bwd=0.45, launch_s=3e-6),
+    "H200": Efficiency(matmul=0.72, k_half=63.0, memory=0.78, attention_fwd=0.30, attention_bwd=0.27,
+                       flash3_fwd=0.60, flash3_bwd=0.45, launch_s=3e-6),
     "V100": Efficiency(matmul=0.75, attention_fwd=0.45, attention_bwd=0.35, launch_s=5e-6),
     "T4": Efficiency(matmul=0.60, attention_fwd=0.40, attention_bwd=0.30, memory=0.75, launch_s=6e-6),
     "MI": Efficiency(matmul=0.55, attention_fwd=0.35, attention_bwd=0.30, launch_s=6e-6),

@@ -1,56 +1,64 @@
 """``estimate(model, cluster, plan)``: iteration time, throughput and per-rank memory of a
-plan, by lowering it to its schedule program and simulating that program with per-stage
-costs from the compute, communication and memory models."""
+plan on a training stack, by lowering it to its schedule program and simulating that
+program with per-stage costs from the compute, communication and memory models, with an
+interval from the residuals the model was checked on (or a calibration's)."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from autoplan.cluster import Cluster
 from autoplan.errors import ConfigError
 from autoplan.models.spec import ModelSpec
 from autoplan.plan import Plan
 from autoplan.schedule import build_program
+from autoplan.stacks import Stack, get_stack
 from autoplan.units import DTYPE_BYTES, GiB
+from costmodel.calibration import Calibration
 from costmodel.comm import collective_time, p2p_time
 from costmodel.compute import ProfileSource, layer_timing
 from costmodel.efficiency import default_efficiency
-from costmodel.memory import (FRAGMENTATION, GRAD_BYTES_PER_PARAM, activation_bytes,
-                              framework_overhead_bytes, model_state_bytes, transient_bytes)
+from costmodel.memory import (DEFAULT_MEMORY_MARGIN, GroupMemory, activation_bytes, group_memory,
+                              model_state_bytes, optimizer_step_bytes, transient_bytes)
 from costmodel.simulate import Event, StageCosts, simulate
-
-ADAM_STEP_BYTES_PER_PARAM = 30.0
-"""HBM traffic of one fused Adam update per parameter: read fp32 master, m, v and gradient
-(16 B), write master, m, v (12 B) and the 2-byte compute copy."""
-
+from costmodel.uncertainty import error_bands
 
 @dataclass(frozen=True)
 class EstimateOptions:
-    """Knobs of the cost model that are properties of the training software, not the plan."""
+    """What besides the model, cluster and plan decides a plan's cost: the software it runs
+    on, measured inputs, and how cautious to be about memory."""
 
-    overlap_grad_reduce: bool = True
-    """Data-parallel gradient reduction overlaps the last backward (DDP/FSDP buckets).
-    Megatron-LM before 2023 did not overlap it."""
+    stack: Stack | str | None = None
+    """The training stack (name, path to a stack .json, or a Stack); None = 'autoplan'."""
+    calibration: Calibration | None = None
+    """Parameters fitted from measured runs of this stack (None: defaults only)."""
     profiles: ProfileSource | None = None
     """Measured layer profiles; None = catalog roofline only."""
-    blocking_p2p: bool = True
-    """Pipeline sends hold the sending rank until they complete (Megatron-LM's batched
-    send/recv); False = asynchronous sends that only delay the receiver."""
+    overlap_grad_reduce: bool | None = None
+    """Data-parallel gradient reduction overlaps the backward; None = the stack's behaviour."""
+    blocking_p2p: bool | None = None
+    """Pipeline sends hold the sender until done; None = the stack's behaviour."""
+    memory_margin: float = DEFAULT_MEMORY_MARGIN
+    """Share of device memory a plan must leave free not to be called 'tight'."""
+
+    def __post_init__(self):
+        # Resolved once, here: everything downstream reads plain values.
+        stack = get_stack(self.stack)
+        object.__setattr__(self, "stack", stack)
+        if self.overlap_grad_reduce is None:
+            object.__setattr__(self, "overlap_grad_reduce", stack.overlap_grad_reduce)
+        if self.blocking_p2p is None:
+            object.__setattr__(self, "blocking_p2p", stack.blocking_p2p)
+        if self.calibration is not None and not isinstance(self.calibration, Calibration):
+            raise ConfigError("calibration", f"must be a Calibration, got {type(self.calibration).__name__}",
+                              "load one with costmodel.calibration.Calibration.load(path)")
+        m = self.memory_margin
+        if isinstance(m, bool) or not isinstance(m, (int, float)) or not 0 <= m < 0.5:
+            raise ConfigError("memory_margin", f"must be a share of memory in [0, 0.5), got {m!r}")
 
 
-@dataclass
-class GroupMemory:
-    """Peak bytes on each rank of one pipeline group, by component."""
-
-    weights: float
-    gradients: float
-    optimizer: float
-    activations: float
-    transient: float
-    overhead: float
-
-    @property
-    def total(self) -> float:
-        return self.weights + self.gradients + self.optimizer + self.activations + self.transient + self.overhead
+MEMORY_COMPONENTS = ("weights", "gradients", "optimizer", "activations", "transient", "buffers", "nccl",
+                     "context", "fragmentation")
+"""GroupMemory's components, in report order."""
 
 
 @dataclass
@@ -74,30 +82,72 @@ class Estimate:
     memory_by_group: list[GroupMemory]
     device_memory_by_rank: dict[int, float]
     fits: bool
+    """Every rank's peak is within its device's memory."""
     breakdown: dict[str, float]
     """Seconds on the critical rank: compute, tp_communication, bubble, dp_communication, optimizer."""
     bubble_fraction: float
     timeline: list[Event] = field(repr=False, default_factory=list)
     sources: dict[str, str] = field(default_factory=dict)
-    """Per device type: 'measured' (profile) or 'roofline' (catalog)."""
+    """Per device type: 'measured' (profile), 'calibrated' or 'roofline' (catalog defaults)."""
     stage_costs: list[StageCosts] = field(repr=False, default_factory=list)
+    stack: str = "autoplan"
+    """The training stack the estimate assumes."""
+    tight: bool = False
+    """Fits, but some rank has less than the memory margin left: the prediction's own error
+    could tip it over."""
+    memory_margin: float = DEFAULT_MEMORY_MARGIN
+    """The margin 'tight' was judged by (share of device memory)."""
+    time_interval_s: tuple[float, float] = (0.0, 0.0)
+    """Where the iteration time lies for ~80% of checked plans (see costmodel.uncertainty)."""
+    memory_interval_bytes: tuple[float, float] = (0.0, 0.0)
+    """The same for the peak memory."""
+    inputs: dict[str, str] = field(default_factory=dict)
+    """Which inputs were measured, calibrated or default, in words."""
+
+    @property
+    def headroom_bytes(self) -> float:
+        """Smallest free memory over the ranks (negative: the most any rank lacks)."""
+        return min(self.device_memory_by_rank[r] - m for r, m in self.memory_by_rank.items())
+
+    @property
+    def status(self) -> str:
+        """'fits', 'tight' or 'out of memory'."""
+        return "out of memory" if not self.fits else "tight" if self.tight else "fits"
+
+    @property
+    def allocated_peak_bytes(self) -> float:
+        """Largest peak of live tensors over the ranks (what CUDA's max_memory_allocated
+        measures): the total without the CUDA context, NCCL and fragmentation."""
+        return max(m.allocated for m in self.memory_by_group)
 
     def summary(self) -> str:
         b = self.breakdown
         parts = ", ".join(f"{k} {v:.3g}s" for k, v in b.items())
-        mem = f"{self.peak_memory_bytes / GiB:.1f} GiB peak/GPU"
-        return (f"{self.plan.describe()}\n  iteration {self.iteration_time_s:.4g} s, "
+        lo, hi = self.time_interval_s
+        mlo, mhi = self.memory_interval_bytes
+        band = f" [{lo:.4g}-{hi:.4g}]" if hi > lo else ""
+        mband = f" [{mlo / GiB:.1f}-{mhi / GiB:.1f}]" if mhi > mlo else ""
+        mem = f"{self.peak_memory_bytes / GiB:.1f}{mband} GiB peak/GPU"
+        state = {"fits": "fits", "tight": f"TIGHT: less than {self.memory_margin:.0%} of memory left",
+                 "out of memory": "DOES NOT FIT"}[self.status]
+        return (f"{self.plan.describe()}\n  iteration {self.iteration_time_s:.4g}{band} s, "
                 f"{self.tokens_per_s:,.0f} tokens/s, {self.model_tflops_per_gpu:.1f} TFLOP/s/GPU, "
-                f"MFU {self.mfu:.1%}, {mem} ({'fits' if self.fits else 'DOES NOT FIT'})\n  {parts}")
+                f"MFU {self.mfu:.1%}, {mem} ({state}), stack {self.stack}\n  {parts}")
 
     def to_dict(self) -> dict:
         return {
-            "iteration_time_s": self.iteration_time_s, "tokens_per_s": self.tokens_per_s,
+            "iteration_time_s": self.iteration_time_s, "iteration_time_interval_s": list(self.time_interval_s),
+            "tokens_per_s": self.tokens_per_s,
             "samples_per_s": self.samples_per_s, "model_tflops_per_gpu": self.model_tflops_per_gpu,
             "hardware_tflops_per_gpu": self.hardware_tflops_per_gpu, "mfu": self.mfu,
-            "peak_memory_GiB": self.peak_memory_bytes / GiB, "fits": self.fits,
+            "peak_memory_GiB": self.peak_memory_bytes / GiB,
+            "peak_memory_interval_GiB": [x / GiB for x in self.memory_interval_bytes],
+            "headroom_GiB": self.headroom_bytes / GiB, "fits": self.fits, "tight": self.tight,
+            "status": self.status, "stack": self.stack,
             "bubble_fraction": self.bubble_fraction, "breakdown_s": dict(self.breakdown),
-            "sources": dict(self.sources),
+            "memory_GiB_by_pipeline_rank": [{**{k: getattr(m, k) / GiB for k in MEMORY_COMPONENTS},
+                                             "total": m.total / GiB} for m in self.memory_by_group],
+            "sources": dict(self.sources), "inputs": dict(self.inputs),
         }
 
 
@@ -113,10 +163,23 @@ def _worst(cluster: Cluster, groups, nbytes: float, kind: str) -> float:
     return max((collective_time(cluster, grp, nbytes, kind) for grp in groups), default=0.0)
 
 
+def device_timing_inputs(device, options: EstimateOptions):
+    """(efficiency override, compute scale, source label) of a device under the options'
+    calibration; (None, 1.0, None) without one."""
+    cal = options.calibration.device(device.name) if options.calibration is not None else None
+    if cal is None:
+        return None, 1.0, None
+    eff = default_efficiency(device.name)
+    if cal.launch_s is not None:
+        eff = replace(eff, launch_s=cal.launch_s)
+    return eff, cal.compute_scale, "calibrated"
+
+
 def stage_costs(model: ModelSpec, cluster: Cluster, plan: Plan, options: EstimateOptions,
                 sources: dict[str, str] | None = None) -> list[StageCosts]:
     """Per-micro-batch costs of every stage of the plan."""
     b, sp, dtype = plan.micro_batch, plan.sequence_parallel, plan.dtype
+    stack = options.stack
     out = []
     n = len(plan.stages)
     for s_idx, stage in enumerate(plan.stages):
@@ -127,36 +190,44 @@ def stage_costs(model: ModelSpec, cluster: Cluster, plan: Plan, options: Estimat
         fwd = bwd = bwd_i = bwd_w = 0.0
         # A group of mixed device types runs at the pace of its slowest member.
         for dev in _group_devices(cluster, group.ranks):
+            eff, scale, label = device_timing_inputs(dev, options)
             f = bi = bw = 0.0
             for layer in layers:
-                t = layer_timing(dev, layer, b, tp, sp, dtype, options.profiles)
+                t = layer_timing(dev, layer, b, tp, sp, dtype, options.profiles, stack.attention, eff)
                 if sources is not None:
+                    src = label if label and t.source == "roofline" else t.source
                     prev = sources.get(dev.name)
-                    sources[dev.name] = t.source if prev in (None, t.source) else "mixed"
+                    sources[dev.name] = src if prev in (None, src) else "mixed"
                 rec = {"none": 0.0, "selective": t.recompute_selective, "full": t.forward}[stage.recompute]
                 f += t.forward
                 bi += t.backward_input + rec
                 bw += t.backward_weight
-            fwd, bwd_i, bwd_w = max(fwd, f), max(bwd_i, bi), max(bwd_w, bw)
+            fwd, bwd_i, bwd_w = max(fwd, f * scale), max(bwd_i, bi * scale), max(bwd_w, bw * scale)
         bwd = bwd_i + bwd_w
         # Tensor-parallel collectives sit on the critical path of every layer.
         tp_f = 0.0
         if tp > 1:
-            for layer in layers:
+            for i, layer in enumerate(layers, start=stage.start):
+                # A block's row-parallel outputs are all-reduced; the head's vocabulary-parallel
+                # matmul all-reduces its input gradient (the previous unit's output size).
+                size = layer.output_bytes if layer.kind != "head" else model.layers[max(i - 1, 0)].output_bytes
                 if layer.tp_allreduces_fwd:
-                    tp_f += layer.tp_allreduces_fwd * _worst(cluster, tp_groups, b * layer.output_bytes, "all_reduce")
+                    tp_f += layer.tp_allreduces_fwd * _worst(cluster, tp_groups, b * size, "all_reduce")
+                if layer.kind == "head" and not stack.vocab_parallel_loss:
+                    # The loss needs the full vocabulary on every rank: gather the logits.
+                    tp_f += _worst(cluster, tp_groups, b * layer.output_bytes, "all_gather")
         tp_b = tp_f * (2 if stage.recompute == "full" else 1)
         fwd += tp_f
         bwd_i += tp_b
         bwd += tp_b
         params = sum(l.params.at(tp) for l in layers)
-        w_bytes = DTYPE_BYTES[dtype]
+        grad_bytes = params * stack.grad_reduce_bytes_per_param
         if plan.zero >= 3 and dp > 1:
             # Parameters are gathered for the forward and again for the backward, and
             # gradients reduce-scattered, every micro-batch; prefetching hides what the
             # compute can cover.
-            gather = _worst(cluster, dp_groups, params * w_bytes, "all_gather")
-            scatter = _worst(cluster, dp_groups, params * GRAD_BYTES_PER_PARAM, "reduce_scatter")
+            gather = _worst(cluster, dp_groups, params * stack.gathered_weights_bytes_per_param, "all_gather")
+            scatter = _worst(cluster, dp_groups, grad_bytes, "reduce_scatter")
             fwd = max(fwd, gather)
             extra = max(0.0, gather + scatter - bwd)
             bwd_i += extra
@@ -164,7 +235,7 @@ def stage_costs(model: ModelSpec, cluster: Cluster, plan: Plan, options: Estimat
             reduce = 0.0
         elif dp > 1:
             kind = "reduce_scatter" if plan.zero >= 1 else "all_reduce"
-            reduce = _worst(cluster, dp_groups, params * GRAD_BYTES_PER_PARAM, kind)
+            reduce = _worst(cluster, dp_groups, grad_bytes, kind)
         else:
             reduce = 0.0
         out_bytes = b * layers[-1].output_bytes
@@ -183,7 +254,7 @@ def stage_costs(model: ModelSpec, cluster: Cluster, plan: Plan, options: Estimat
             in_bytes = b * model.layers[stage.start - 1].output_bytes
             if prv is not group:
                 send_b = p2p_time(cluster, tp_groups, prv.tp_groups(), in_bytes)
-        act = activation_bytes(list(layers), stage.recompute, b, tp, sp)
+        act = activation_bytes(layers, stage.recompute, b, tp, sp, stack, dtype)
         out.append(StageCosts(forward=fwd, backward=bwd, backward_input=bwd_i, backward_weight=bwd_w,
                               send_forward=send_f, send_backward=send_b, activation_bytes=act,
                               grad_reduce=reduce, layers=len(layers), tp_comm_forward=tp_f,
@@ -191,59 +262,79 @@ def stage_costs(model: ModelSpec, cluster: Cluster, plan: Plan, options: Estimat
     return out
 
 
-def _optimizer_time(model: ModelSpec, cluster: Cluster, plan: Plan, g: int) -> tuple[float, float]:
-    """(Adam step, exposed post-step parameter all-gather) for one pipeline group."""
+def _optimizer_time(model: ModelSpec, cluster: Cluster, plan: Plan, g: int, stack: Stack,
+                    calibration: Calibration | None = None) -> tuple[float, float]:
+    """(Adam step, plus a calibration's host overhead per step; exposed post-step parameter
+    all-gather) for one pipeline group."""
     group = plan.groups[g]
     layers = [l for s in plan.stages if s.group == g for l in model.layers[s.start:s.end]]
     params = sum(l.params.at(group.tp) for l in layers)
     shard = params / (group.dp if plan.zero >= 1 else 1)
-    step = max(shard * ADAM_STEP_BYTES_PER_PARAM / (d.memory_bandwidth * default_efficiency(d.name).memory)
+    step = max(shard * stack.optimizer_traffic_bytes_per_param / (d.memory_bandwidth * default_efficiency(d.name).memory)
                for d in _group_devices(cluster, group.ranks))
+    if calibration is not None:
+        step += max((c.step_overhead_s for d in _group_devices(cluster, group.ranks)
+                     if (c := calibration.device(d.name)) is not None), default=0.0)
     gather = 0.0
-    if plan.zero in (1, 2) and group.dp > 1:
+    if plan.zero in (1, 2) and group.dp > 1 and not stack.overlap_param_gather:
+        # Overlapped, the gather of updated parameters runs under the next forward.
         gather = _worst(cluster, group.dp_groups(), params * DTYPE_BYTES[plan.dtype], "all_gather")
     return step, gather
+
+
+def _communicators(plan: Plan, g: int) -> int:
+    """Process groups of two or more ranks that a rank of pipeline group ``g`` talks in."""
+    group = plan.groups[g]
+    return (group.tp > 1) + (group.dp > 1) + (plan.pp > 1)
 
 
 def estimate(model: ModelSpec, cluster: Cluster, plan: Plan, options: EstimateOptions | None = None,
              **kwargs) -> Estimate:
     """Simulate one training iteration of ``plan``. Keyword arguments override
-    :class:`EstimateOptions` fields (e.g. ``profiles=store``)."""
+    :class:`EstimateOptions` fields (e.g. ``stack="megatron-core"``, ``profiles=store``)."""
     options = options or EstimateOptions()
     if kwargs:
         unknown = set(kwargs) - set(EstimateOptions.__dataclass_fields__)
         if unknown:
             raise ConfigError(sorted(unknown)[0], "is not an estimate option",
                               f"known: {', '.join(EstimateOptions.__dataclass_fields__)}")
-        options = EstimateOptions(**{**options.__dict__, **kwargs})
+        base = {k: v for k, v in options.__dict__.items()
+                if k not in ("overlap_grad_reduce", "blocking_p2p") or k in kwargs}
+        options = EstimateOptions(**{**base, **kwargs})
+    stack = options.stack
     plan.validate(model, cluster)
+    if options.calibration is not None:
+        options.calibration.check([cluster.slots[r].device.name for g in plan.groups for r in g.ranks], stack.name)
     program = build_program(plan)
     sources: dict[str, str] = {}
     costs = stage_costs(model, cluster, plan, options, sources)
-    opt = [_optimizer_time(model, cluster, plan, g) for g in range(plan.pp)]
+    opt = [_optimizer_time(model, cluster, plan, g, stack, options.calibration) for g in range(plan.pp)]
     sim = simulate(program, costs, [o[0] for o in opt], options.overlap_grad_reduce, [o[1] for o in opt],
                    blocking_p2p=options.blocking_p2p)
 
     # Memory per group.
+    act_scale = options.calibration.activation_scale if options.calibration else 1.0
+    extra = options.calibration.memory_overhead_bytes if options.calibration else 0.0
     memory_by_group, memory_by_rank, device_mem = [], {}, {}
     for g, group in enumerate(plan.groups):
         stage_ids = plan.stages_of_group(g)
-        layers = [l for s in stage_ids for l in model.layers[plan.stages[s].start:plan.stages[s].end]]
-        states = model_state_bytes(layers, group.tp, group.dp, plan.zero, plan.dtype)
-        transient = max(transient_bytes(list(model.layers[plan.stages[s].start:plan.stages[s].end]),
-                                        plan.stages[s].recompute, plan.micro_batch, group.tp,
-                                        plan.sequence_parallel) for s in stage_ids)
-        dynamic = sim.peak_activation_bytes[g] + transient
-        mem = GroupMemory(weights=states.weights + states.zero3_working, gradients=states.gradients,
-                          optimizer=states.optimizer, activations=sim.peak_activation_bytes[g],
-                          transient=transient,
-                          overhead=max(framework_overhead_bytes(d.name) for d in _group_devices(cluster, group.ranks))
-                          + FRAGMENTATION * (dynamic + states.total))
+        stage_layers = [model.layers[plan.stages[s].start:plan.stages[s].end] for s in stage_ids]
+        layers = [l for ls in stage_layers for l in ls]
+        states = model_state_bytes(layers, group.tp, group.dp, plan.zero, stack)
+        transient = max(transient_bytes(ls, plan.stages[s].recompute, plan.micro_batch, group.tp,
+                                        plan.sequence_parallel, stack, plan.dtype)
+                        for s, ls in zip(stage_ids, stage_layers))
+        accelerator = any(not d.name.upper().startswith("CPU") for d in _group_devices(cluster, group.ranks))
+        mem = group_memory(states, sim.peak_activation_bytes[g] * act_scale, transient * act_scale,
+                           optimizer_step_bytes(layers, group.tp, group.dp, plan.zero, stack),
+                           _communicators(plan, g), group.dp, stack, accelerator)
+        mem.buffers += extra
         memory_by_group.append(mem)
         for r in group.ranks:
             memory_by_rank[r] = mem.total
             device_mem[r] = cluster.slots[r].device.memory_bytes
     fits = all(memory_by_rank[r] <= device_mem[r] for r in memory_by_rank)
+    tight = fits and any(memory_by_rank[r] > device_mem[r] * (1 - options.memory_margin) for r in memory_by_rank)
 
     # Throughput.
     T = sim.iteration_time
@@ -272,12 +363,28 @@ def estimate(model: ModelSpec, cluster: Cluster, plan: Plan, options: EstimateOp
         "dp_communication": max(0.0, sim.comm_end[g] - sim.compute_end[g]),
         "optimizer": sim.rank_end[g] - max(sim.compute_end[g], sim.comm_end[g]),
     }
+    time_band, memory_band = error_bands(stack.name)
+    if options.calibration is not None:
+        from costmodel.uncertainty import ErrorBand
+        cal = options.calibration
+        time_band = ErrorBand(*cal.time_error, cal.runs, "calibration (leave-one-out)")
+        if cal.loo_memory_mape is not None:
+            memory_band = ErrorBand(*cal.memory_error, cal.runs, "calibration (leave-one-out)")
+    peak = max(memory_by_rank.values())
+    inputs = {"stack": f"{stack.name} ({stack.version})"}
+    for dev, src in sources.items():
+        inputs[dev] = {"measured": "measured layer profile", "calibrated": "roofline, calibrated",
+                       "roofline": "roofline, default efficiencies", "mixed": "measured profile and roofline"}[src]
+    inputs["memory"] = f"stack {stack.name}" + (", calibrated" if options.calibration else " defaults")
+    inputs["interval"] = time_band.source or "none"
     return Estimate(
         plan=plan, iteration_time_s=T, tokens_per_s=tokens / T, samples_per_s=samples / T,
         model_tflops_per_gpu=model_flops / T / n_gpus / 1e12,
         hardware_tflops_per_gpu=hardware_flops / T / n_gpus / 1e12,
         mfu=model_flops / T / peak_sum, hfu=hardware_flops / T / peak_sum,
-        peak_memory_bytes=max(memory_by_rank.values()), memory_by_rank=memory_by_rank,
+        peak_memory_bytes=peak, memory_by_rank=memory_by_rank,
         memory_by_group=memory_by_group, device_memory_by_rank=device_mem, fits=fits,
         breakdown=breakdown, bubble_fraction=bubble / sim.compute_end[g] if sim.compute_end[g] else 0.0,
-        timeline=sim.events, sources=sources, stage_costs=costs)
+        timeline=sim.events, sources=sources, stage_costs=costs, stack=stack.name, tight=tight,
+        memory_margin=options.memory_margin, time_interval_s=time_band.interval(T),
+        memory_interval_bytes=memory_band.interval(peak), inputs=inputs)

@@ -1,34 +1,24 @@
-"""Per-rank memory: model states (weights, gradients, optimizer) under ZeRO 0-3, and the
-activation working set. Activations *in flight* come from the schedule simulation (how
-many micro-batches each stage holds at once under the plan's schedule); this module
-gives the bytes per micro-batch and the static part.
+"""Per-rank memory: model states under ZeRO 0-3, the activation working set, the loss's
+logits, communication buffers, the CUDA context and the allocator's loss, for the
+training stack the plan runs on (:class:`autoplan.stacks.Stack`).
 
-Mixed-precision Adam, as Megatron-LM and DeepSpeed train (Rajbhandari et al., ZeRO,
-SC20, §3.1): 2-byte weights, fp32 gradient accumulation buffers (Megatron's
-``accumulate_allreduce_grads_in_fp32``), and 12 bytes of optimizer state per parameter
-(fp32 master copy, Adam first and second moments).
+Activations *in flight* come from the schedule simulation (how many micro-batches each
+stage holds at once under the plan's schedule); this module gives the bytes per
+micro-batch, the static part and the peak of a rank, component by component.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
 from autoplan.models.spec import LayerSpec
-from autoplan.units import DTYPE_BYTES, GiB
+from autoplan.stacks import Stack
+from autoplan.units import DTYPE_BYTES
 
-OPTIMIZER_BYTES_PER_PARAM = 12.0
-"""fp32 master weights + Adam m + Adam v."""
-GRAD_BYTES_PER_PARAM = 4.0
-"""fp32 gradient accumulation buffer."""
-FRAMEWORK_OVERHEAD_BYTES = 1.0 * GiB
-"""CUDA context, cuBLAS/NCCL workspaces and communication buffers per GPU."""
-
-
-def framework_overhead_bytes(device_name: str) -> float:
-    """Fixed per-device memory outside the model: the CUDA/ROCm context and collective
-    buffers on accelerators; none is counted on a CPU 'device'."""
-    return 0.0 if device_name.upper().startswith("CPU") else FRAMEWORK_OVERHEAD_BYTES
-FRAGMENTATION = 0.05
-"""Share of dynamic memory lost to caching-allocator fragmentation."""
+DEFAULT_MEMORY_MARGIN = 0.03
+"""Plans whose predicted peak is within this share of a device's memory are 'tight': the
+prediction's own error (see the validation report) is of this order, so they are ranked
+after plans with room rather than called fits at 79.9 of 80 GiB."""
 
 
 @dataclass(frozen=True)
@@ -36,49 +26,128 @@ class ModelStateBytes:
     """Static bytes on one rank."""
 
     weights: float
+    """Persistent weights, plus what ZeRO-3 gathers and half-precision casts of fp32 weights."""
     gradients: float
     optimizer: float
-    zero3_working: float
-    """Full parameters of the layers being gathered under ZeRO-3 (current + prefetched)."""
+    """Master weights and optimizer moments."""
 
     @property
     def total(self) -> float:
-        return self.weights + self.gradients + self.optimizer + self.zero3_working
+        return self.weights + self.gradients + self.optimizer
 
 
-def model_state_bytes(layers: list[LayerSpec], tp: int, dp: int, zero: int, dtype: str) -> ModelStateBytes:
-    """Weights, gradients and optimizer states of ``layers`` on one rank."""
+@dataclass
+class GroupMemory:
+    """Peak bytes on each rank of one pipeline group, by component."""
+
+    weights: float
+    gradients: float
+    optimizer: float
+    activations: float
+    """Saved activations of the micro-batches in flight at the peak (the loss's saved
+    logits included)."""
+    transient: float
+    """Working memory on top of the activations at the peak: a unit's backward, the loss's
+    backward, or the optimizer step's temporaries, whichever is largest."""
+    buffers: float
+    """Communication buckets the framework allocates for data-parallel reduction and gather
+    (DeepSpeed's), besides the gradients themselves."""
+    nccl: float
+    """NCCL's own buffers, per communicator the rank belongs to (outside the allocator)."""
+    context: float
+    """CUDA context outside the allocator (0 on CPU)."""
+    fragmentation: float
+    """Allocator bytes lost to fragmentation of the dynamic working set."""
+
+    @property
+    def total(self) -> float:
+        return self.allocated + self.nccl + self.context + self.fragmentation
+
+    @property
+    def allocated(self) -> float:
+        """Live tensors at the peak: what the allocator's max_memory_allocated measures."""
+        return self.weights + self.gradients + self.optimizer + self.activations + self.transient + self.buffers
+
+    @property
+    def overhead(self) -> float:
+        """Everything that is not a model state, an activation or a temporary."""
+        return self.buffers + self.nccl + self.context + self.fragmentation
+
+
+def model_state_bytes(layers: Sequence[LayerSpec], tp: int, dp: int, zero: int, stack: Stack) -> ModelStateBytes:
+    """Weights, gradients and optimizer states of ``layers`` on one rank under ``stack``."""
     params = sum(l.params.at(tp) for l in layers)
-    w = DTYPE_BYTES[dtype]
-    weights = params * w / (dp if zero >= 3 else 1)
-    grads = params * GRAD_BYTES_PER_PARAM / (dp if zero >= 2 else 1)
-    optim = params * OPTIMIZER_BYTES_PER_PARAM / (dp if zero >= 1 else 1)
-    working = 0.0
+    weights = params * stack.weights_bytes_per_param / (dp if zero >= 3 else 1)
     if zero >= 3 and dp > 1 and layers:
-        # FSDP gathers one unit at a time and prefetches the next.
+        # FSDP / ZeRO-3 gathers one unit at a time and prefetches the next.
         biggest = max(l.params.at(tp) for l in layers)
-        working = 2 * biggest * w
-    return ModelStateBytes(weights, grads, optim, working)
+        weights += 2 * biggest * stack.gathered_weights_bytes_per_param
+    elif stack.weight_cast_bytes_per_param:
+        # Half-precision copies of fp32 weights that the matmuls read (autocast, or FSDP's
+        # unsharded compute copy); embedding tables are looked up, not cast.
+        cast = sum(l.params.at(tp) for l in layers if l.kind != "embedding")
+        weights += cast * stack.weight_cast_bytes_per_param
+    grads = params * stack.gradient_bytes_per_param / (dp if zero >= 2 else 1)
+    optim = params * (stack.master_weights_bytes_per_param + stack.optimizer_bytes_per_param) / (
+        dp if zero >= 1 else 1)
+    return ModelStateBytes(weights, grads, optim)
 
 
-def activation_bytes(layers: list[LayerSpec], recompute: str, micro_batch: int, tp: int,
-                     sequence_parallel: bool) -> float:
-    """Bytes one micro-batch keeps on one rank between its forward and backward."""
-    return micro_batch * sum(l.activation_bytes[recompute].at(tp, sequence_parallel) for l in layers)
+def logits_per_sample(layer: LayerSpec, dtype: str) -> float:
+    """Logit elements the loss sees per sample: the head's output (0 for other units)."""
+    if layer.kind != "head":
+        return 0.0
+    return layer.output_bytes / DTYPE_BYTES[dtype]
 
 
-def transient_bytes(layers: list[LayerSpec], recompute: str, micro_batch: int, tp: int,
-                    sequence_parallel: bool) -> float:
-    """Peak temporary memory while one unit runs its backward: under full recomputation the
-    unit's whole activation set is rebuilt; otherwise the gradient buffers of its output
-    and input. The head's logits gradient (fp32, vocabulary-wide) is the usual maximum."""
+def loss_logits(layer: LayerSpec, tp: int, dtype: str, stack: Stack) -> float:
+    """Logit elements per sample one tensor-parallel rank runs the loss over."""
+    n = logits_per_sample(layer, dtype)
+    return n / tp if stack.vocab_parallel_loss else n
+
+
+def activation_bytes(layers: Sequence[LayerSpec], recompute: str, micro_batch: int, tp: int,
+                     sequence_parallel: bool, stack: Stack | None = None, dtype: str = "bf16") -> float:
+    """Bytes one micro-batch keeps on one rank between its forward and backward (with a
+    stack: the loss's saved logits on the stage that holds the head)."""
+    saved = sum(l.activation_bytes[recompute].at(tp, sequence_parallel) for l in layers)
+    if stack is not None:
+        saved += sum(loss_logits(l, tp, dtype, stack) for l in layers) * stack.loss_saved_bytes_per_logit
+    return micro_batch * saved
+
+
+def transient_bytes(layers: Sequence[LayerSpec], recompute: str, micro_batch: int, tp: int,
+                    sequence_parallel: bool, stack: Stack | None = None, dtype: str = "bf16") -> float:
+    """Peak temporary memory while one unit runs its backward, on top of the saved
+    activations: under full recomputation the unit's whole activation set is rebuilt, and
+    every backward holds the gradients of its output and input; the loss's backward holds
+    its gradient buffers over the logits (with a stack)."""
     worst = 0.0
     for l in layers:
         rebuilt = l.activation_bytes["none"].at(tp, sequence_parallel) if recompute == "full" else 0.0
-        if l.kind == "head":
-            # d(loss)/d(logits) in fp32 next to the saved logits.
-            grads = l.activation_bytes["none"].at(tp, sequence_parallel)
-        else:
-            grads = 2 * l.output_bytes
+        grads = 2 * l.output_bytes if l.kind != "head" else 0.0
+        if stack is not None and l.kind == "head":
+            extra = stack.loss_peak_bytes_per_logit - stack.loss_saved_bytes_per_logit
+            grads = loss_logits(l, tp, dtype, stack) * max(extra, 0.0)
         worst = max(worst, micro_batch * (rebuilt + grads))
     return worst
+
+
+def optimizer_step_bytes(layers: Sequence[LayerSpec], tp: int, dp: int, zero: int, stack: Stack) -> float:
+    """Temporaries of the optimizer step (after the backward, when activations are gone)."""
+    params = sum(l.params.at(tp) for l in layers) / (dp if zero >= 1 else 1)
+    return params * stack.optimizer_step_bytes_per_param
+
+
+def group_memory(states: ModelStateBytes, in_flight: float, backward_transient: float, step_bytes: float,
+                 communicators: int, dp: int, stack: Stack, accelerator: bool) -> GroupMemory:
+    """The peak of one rank, by component: the forward/backward peak (activations in flight
+    plus the largest backward working set) or the optimizer step's temporaries, whichever
+    is larger, on top of the model states."""
+    dynamic = max(in_flight + backward_transient, step_bytes)
+    return GroupMemory(weights=states.weights, gradients=states.gradients, optimizer=states.optimizer,
+                       activations=in_flight, transient=dynamic - in_flight,
+                       buffers=stack.dp_buffer_bytes if dp > 1 and accelerator else 0.0,
+                       nccl=communicators * stack.nccl_bytes_per_group if accelerator else 0.0,
+                       context=stack.cuda_context_bytes if accelerator else 0.0,
+                       fragmentation=stack.allocator_fragmentation * dynamic)

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from search.evaluate import Setting, Skeleton, simulated
-from search.tables import DYNAMIC_FACTOR, OVERHEAD, RECOMPUTES, Kind, Tables
+from search.tables import RECOMPUTES, Kind, Tables
 
 INF = float("inf")
 
@@ -121,8 +121,8 @@ class Bounds:
         for g, kind in enumerate(sk.kinds):
             s = self.summary(kind, st.micro_batch, st.sequence_parallel)
             n = m if st.schedule == "gpipe" else min(P - g, m)
-            cap = self.tables.cluster.groups[kind.pool].device.memory_bytes
-            budget = (cap - OVERHEAD) / DYNAMIC_FACTOR
+            cap = self.tables.capacity(kind.pool)
+            budget = cap - self.tables.fixed_bytes(kind.pool)
             per_unit = (self.tables.state_bytes(s.params, 0.0, sk.dp, st.zero) + n * s.act_lean) / L
             caps.append(max(0.0, budget / per_unit) if per_unit > 0 else float(L))
             rates.append(L / s.work)         # units per second per micro-batch
@@ -172,7 +172,7 @@ class Bounds:
         cheapest and smallest over the pipeline's kinds (a relaxation)."""
         P = sk.pp
         counts = self._counts_of(P, st.num_micro_batches, st.virtual_stages, st.schedule)
-        caps = [(self.tables.cluster.groups[k.pool].device.memory_bytes - OVERHEAD) / DYNAMIC_FACTOR
+        caps = [self.tables.capacity(k.pool) - self.tables.fixed_bytes(k.pool)
                 for k in sk.kinds]
         if len(set(sk.kinds)) > 1:
             s = self._mixed_summary(sk_id, sk, st)
@@ -238,15 +238,17 @@ class Bounds:
         summ = [s for s, _ in summ]
         if st.zero >= 3 and dp > 1:
             # Each stage costs at least its parameter gather + gradient scatter.
-            params, w = summ[0].params, tables.weight_bytes
+            params, stack = summ[0].params, tables.stack
             a_g, b_g, a_s, b_s = self._zero3(sk_id, sk)
-            gs = (a_g + a_s) * P * v + (b_g * w + b_s * 4.0) * params
+            gs = (a_g + a_s) * P * v + (b_g * stack.gathered_weights_bytes_per_param
+                                        + b_s * stack.grad_reduce_bytes_per_param) * params
             period = max(period, gs / P)
         if P == 1:
             bound = m * period
             if dp > 1 and st.zero < 3:
                 kind = "reduce_scatter" if st.zero >= 1 else "all_reduce"
-                bound += tables.dp_collective(sk.groups[0], summ[0].params * 4.0, kind) / self.L
+                bound += tables.dp_collective(sk.groups[0], summ[0].params * tables.stack.grad_reduce_bytes_per_param,
+                                              kind) / self.L
             return bound + summ[0].params / (dp if st.zero >= 1 else 1) * tables.optimizer_rate(sk.kinds[0].pool)
         out = summ[0].out_bytes          # the table is per micro-batch already
         comm = self._comm_bound(sk_id, sk, st.micro_batch, v, out)

@@ -36,7 +36,7 @@ from search.progress import Progress
 from search.result import RankedPlan, SearchResult, SearchStats
 from search.space import Constraints, divisors
 from search.split import INF, Split, Splitter
-from search.tables import DYNAMIC_FACTOR, OVERHEAD, Kind, Tables
+from search.tables import Kind, Tables
 
 
 def search(model: ModelSpec, cluster: Cluster, global_batch: int, **constraints) -> SearchResult:
@@ -203,25 +203,32 @@ class _Search:
                        (states + min(counts) * act) / P)
         else:
             need = states / P
-        cap = self.cluster.groups[kind.pool].device.memory_bytes
-        return OVERHEAD + DYNAMIC_FACTOR * need <= cap
+        cap = self.tables.capacity(kind.pool)
+        return self.tables.fixed_bytes(kind.pool) + need <= cap
 
     # ---------------------------------------------------------------- run
     def run(self) -> SearchResult:
         t_start = time.perf_counter()
         stats = self.stats
         try:
-            t0 = time.perf_counter()
-            if len(self.cluster.groups) == 1:
-                skeletons = self.homogeneous_skeletons()
-            else:
-                stats.placement = PlacementStats()
-                skeletons = self.heterogeneous_skeletons(stats.placement)
-            stats.skeletons = len(skeletons)
-            stats.phase_s["placement"] = time.perf_counter() - t0
+            while True:
+                t0 = time.perf_counter()
+                if len(self.cluster.groups) == 1:
+                    skeletons = self.homogeneous_skeletons()
+                else:
+                    stats.placement = PlacementStats()
+                    skeletons = self.heterogeneous_skeletons(stats.placement)
+                stats.skeletons = len(skeletons)
+                stats.phase_s["placement"] = time.perf_counter() - t0
 
-            t0 = time.perf_counter()
-            short = self._best_first(skeletons)
+                t0 = time.perf_counter()
+                short = self._best_first(skeletons)
+                if short or self.tables.margin == 0:
+                    break
+                # Nothing fits with the safety margin free: look again for plans that fit
+                # at all (they come out marked tight).
+                self.tables.margin = 0.0
+                stats.tight_fallback = True
             stats.phase_s["split"] = time.perf_counter() - t0 - stats.phase_s.get("bounds", 0.0)
             stats.splits = self.splitter.runs
             stats.shortlisted = len(short)
@@ -439,7 +446,8 @@ class _Search:
                 continue
             done.append((est.iteration_time_s, i, RankedPlan(rank=0, plan=plan, estimate=est, predicted_s=t,
                                                              gpus_used=plan.num_gpus)))
-        done.sort(key=lambda x: (x[0], x[1]))
+        # Plans with room first; a tight plan (within the memory margin) ranks after them.
+        done.sort(key=lambda x: (x[2].estimate.tight, x[0], x[1]))
         out = []
         for r, (_, _, rp) in enumerate(done, 1):
             rp.rank = r

@@ -17,7 +17,6 @@ from typing import Sequence
 
 from autoplan.models.spec import ModelSpec
 from autoplan.plan import DeviceGroup, Plan, Stage
-from costmodel.memory import GRAD_BYTES_PER_PARAM
 from search.inflight import inflight
 from search.tables import RECOMPUTES, Kind, Tables
 
@@ -114,6 +113,7 @@ class StageFigures:
     send_backward: float
     grad_reduce: float
     params: float
+    cast_params: float
     activation: float
     transient: float
     max_params: float
@@ -128,7 +128,7 @@ def stage_figures(tables: Tables, sk: Skeleton, st: Setting, bounds: Sequence[tu
                   recompute: Sequence[str]) -> list[StageFigures]:
     """Costs of every stage, as ``costmodel.estimate.stage_costs`` computes them."""
     P, n = sk.pp, len(bounds)
-    w = tables.weight_bytes
+    stack = tables.stack
     out = []
     for j, ((a, b), mode) in enumerate(zip(bounds, recompute)):
         g = j % P
@@ -139,14 +139,15 @@ def stage_figures(tables: Tables, sk: Skeleton, st: Setting, bounds: Sequence[tu
         bi = t.cum_backward_input[q, b] - t.cum_backward_input[q, a]
         bw = t.cum_backward_weight[b] - t.cum_backward_weight[a]
         params = t.cum_params[b] - t.cum_params[a]
+        cast = t.cum_cast_params[b] - t.cum_cast_params[a]
         reduce = 0.0
         if st.zero >= 3 and group.dp > 1:
-            gather = tables.dp_collective(group, params * w, "all_gather")
-            scatter = tables.dp_collective(group, params * GRAD_BYTES_PER_PARAM, "reduce_scatter")
+            gather = tables.dp_collective(group, params * stack.gathered_weights_bytes_per_param, "all_gather")
+            scatter = tables.dp_collective(group, params * stack.grad_reduce_bytes_per_param, "reduce_scatter")
             fwd = max(fwd, gather)
             bi += max(0.0, gather + scatter - (bi + bw))
         elif group.dp > 1:
-            reduce = tables.dp_collective(group, params * GRAD_BYTES_PER_PARAM,
+            reduce = tables.dp_collective(group, params * stack.grad_reduce_bytes_per_param,
                                           "reduce_scatter" if st.zero >= 1 else "all_reduce")
         send_f = send_b = 0.0
         if j < n - 1:
@@ -159,7 +160,7 @@ def stage_figures(tables: Tables, sk: Skeleton, st: Setting, bounds: Sequence[tu
                 send_b = tables.p2p(group, prv, float(t.output_bytes[a - 1]))
         out.append(StageFigures(
             forward=fwd, backward_input=bi, backward_weight=bw, send_forward=send_f, send_backward=send_b,
-            grad_reduce=reduce, params=params,
+            grad_reduce=reduce, params=params, cast_params=cast,
             activation=t.cum_activation[q, b] - t.cum_activation[q, a],
             transient=float(t.max_transient[q, a, b]), max_params=float(t.max_params[a, b]), units=b - a))
     return out
@@ -173,10 +174,12 @@ def group_memory(tables: Tables, sk: Skeleton, st: Setting, figs: Sequence[Stage
     for g in range(P):
         mine = figs[g::P]
         params = sum(f.params for f in mine)
-        states = tables.state_bytes(params, max(f.max_params for f in mine), sk.dp, st.zero)
+        states = tables.state_bytes(params, max(f.max_params for f in mine), sk.dp, st.zero,
+                                    sum(f.cast_params for f in mine))
         act = fl.peak_bytes(g, [f.activation for f in mine])
         trans = max(f.transient for f in mine)
-        out.append(tables.memory_total(states, act, trans))
+        out.append(float(tables.memory_total(states, act, trans, tables.step_bytes(params, sk.dp, st.zero),
+                                             tables.fixed_bytes(sk.kinds[g].pool, sk.groups[g], P))))
     return out
 
 
@@ -212,6 +215,7 @@ def pipeline_time(sk: Skeleton, st: Setting, figs: Sequence[StageFigures], table
     end = 0.0
     drain = 0.0
     w = tables.weight_bytes
+    gather_after_step = not tables.stack.overlap_param_gather
     for g in range(P):
         if g > 0:
             drain += figs[g - 1].backward + figs[g].send_backward
@@ -224,8 +228,9 @@ def pipeline_time(sk: Skeleton, st: Setting, figs: Sequence[StageFigures], table
                        if overlap_grad_reduce else reduce)
         params = sum(f.params for f in figs[g::P])
         group = sk.groups[g]
-        opt = params / (group.dp if st.zero >= 1 else 1) * tables.optimizer_rate(sk.kinds[g].pool)
-        if st.zero in (1, 2) and group.dp > 1:
+        opt = (params / (group.dp if st.zero >= 1 else 1) * tables.optimizer_rate(sk.kinds[g].pool)
+               + tables.step_overhead(sk.kinds[g].pool))
+        if st.zero in (1, 2) and group.dp > 1 and gather_after_step:
             opt += tables.dp_collective(group, params * w, "all_gather")
         end = max(end, pipe - drain + exposed + opt)
     return end
@@ -261,9 +266,10 @@ def _tails(tables: Tables, sk: Skeleton, st: Setting, figs: Sequence[StageFigure
     for g in range(sk.pp):
         params = sum(f.params for f in figs[g::sk.pp])
         group = sk.groups[g]
-        opt.append(params / (group.dp if st.zero >= 1 else 1) * tables.optimizer_rate(sk.kinds[g].pool))
+        opt.append(params / (group.dp if st.zero >= 1 else 1) * tables.optimizer_rate(sk.kinds[g].pool)
+                   + tables.step_overhead(sk.kinds[g].pool))
         post.append(tables.dp_collective(group, params * tables.weight_bytes, "all_gather")
-                    if st.zero in (1, 2) and group.dp > 1 else 0.0)
+                    if st.zero in (1, 2) and group.dp > 1 and not tables.stack.overlap_param_gather else 0.0)
     return opt, post
 
 
@@ -291,7 +297,7 @@ def analyze(tables: Tables, sk: Skeleton, st: Setting, bounds, recompute) -> tup
     the closed form otherwise."""
     figs = stage_figures(tables, sk, st, bounds, recompute)
     mem = group_memory(tables, sk, st, figs)
-    caps = [tables.cluster.groups[k.pool].device.memory_bytes for k in sk.kinds]
+    caps = [tables.capacity(k.pool) for k in sk.kinds]
     fits = all(x <= c for x, c in zip(mem, caps))
     opts = tables.options
     if simulated(st, sk.pp):

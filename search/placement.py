@@ -33,9 +33,8 @@ from ortools.sat.python import cp_model
 
 from autoplan.plan import DeviceGroup
 from costmodel.efficiency import default_efficiency
-from costmodel.memory import GRAD_BYTES_PER_PARAM
 from search.evaluate import Skeleton
-from search.tables import DYNAMIC_FACTOR, OVERHEAD, RECOMPUTES, Kind, Tables
+from search.tables import RECOMPUTES, Kind, Tables
 
 
 @dataclass
@@ -124,12 +123,13 @@ def _place(tables: Tables, *, dp: int, micro_batch: int, num_micro_batches: int,
     nb = L - lead - tail
     if nb < 1 or not kinds:
         return []
-    m, b, w = num_micro_batches, micro_batch, tables.weight_bytes
+    m, b = num_micro_batches, micro_batch
+    stack = tables.stack
+    w = stack.gathered_weights_bytes_per_param
     qs = [RECOMPUTES.index(x) for x in modes]
     body = slice(lead, L - tail)
     z3 = zero >= 3 and dp > 1
-    per_param = (w / (dp if zero >= 3 else 1) + GRAD_BYTES_PER_PARAM / (dp if zero >= 2 else 1)
-                 + 12.0 / (dp if zero >= 1 else 1))
+    per_param = stack.state_bytes_per_param(dp, zero)
     pools = sorted({kd.pool for kd in kinds})
 
     # ---- per-kind coefficients (averages over the body's units; the DP is exact later)
@@ -144,7 +144,7 @@ def _place(tables: Tables, *, dp: int, micro_batch: int, num_micro_batches: int,
             # micro-batch over the node group's network (a sketch of the per-stage cost).
             ng = cluster.groups[kind.pool]
             nic = cluster.nic(kind.pool).bandwidth * default_efficiency(ng.device.name).network
-            extra = float(t.params[body].mean()) * (w + GRAD_BYTES_PER_PARAM) / nic
+            extra = float(t.params[body].mean()) * (w + stack.grad_reduce_bytes_per_param) / nic
         for q in qs:
             unit = t.forward + t.backward_input[q] + t.backward_weight
             T[gi, q] = float(unit[body].mean()) + extra
@@ -166,7 +166,7 @@ def _place(tables: Tables, *, dp: int, micro_batch: int, num_micro_batches: int,
         z3w = 2 * float(t.params.max()) * w if z3 else 0.0
         TR[gi] = min(float(t.transient[q][body].max()) for q in qs) + z3w
         TRH[gi] = (min(float(t.transient[q][L - 1]) for q in qs) if tail else 0.0) + z3w
-        cap[gi] = (cluster.groups[kind.pool].device.memory_bytes - OVERHEAD) / DYNAMIC_FACTOR
+        cap[gi] = tables.capacity(kind.pool) - tables.fixed_bytes(kind.pool)
         N[gi] = min(cluster.groups[kind.pool].num_gpus // (dp * kind.tp), max_stages, nb)
 
     # Integer scaling: times to ~1e4 units for the whole body on the fastest kind, bytes

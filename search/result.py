@@ -61,6 +61,8 @@ class SearchStats:
     """Full ``costmodel.estimate`` calls."""
     estimate_fit_mismatch: int = 0
     """Shortlisted plans the full estimate found over memory (should stay 0)."""
+    tight_fallback: bool = False
+    """No plan fit with the memory margin free; the search then took plans that fit at all."""
     placement: PlacementStats | None = None
     """CP-SAT placement statistics (heterogeneous clusters only)."""
     phase_s: dict[str, float] = field(default_factory=dict)
@@ -75,6 +77,8 @@ class SearchStats:
                  f"  pruned: {self.pruned_memory_bound:,} by memory bound, {self.pruned_time_bound:,} by time "
                  f"bound, {self.pruned_no_split:,} with no fitting split; {self.splits:,} DP splits, "
                  f"{self.estimates} full estimates"]
+        if self.tight_fallback:
+            lines.append("  no plan leaves the memory margin free: the plans below fit, but tightly")
         if self.placement is not None:
             p = self.placement
             lines.append(f"  placement: {p.solves} CP-SAT solves ({p.optimal} optimal, {p.infeasible} infeasible), "
@@ -129,11 +133,14 @@ class SearchResult:
             mem = " ".join(f"{name} {used / GiB:.1f}/{cap / GiB:.0f}"
                            for name, (used, cap) in memory_by_device(e, self.cluster).items())
             gpus = f"{rp.gpus_used}" if rp.gpus_used == total else f"{rp.gpus_used}/{total}"
+            lo, hi = e.time_interval_s
+            band = f"{lo:.3g}-{hi:.3g}" if hi > lo else "-"
             rows.append([str(rp.rank), gpus, dp, tp, pp, p.schedule, f"{p.micro_batch}x{p.num_micro_batches}",
                          str(p.zero), p.recompute + (" sp" if p.sequence_parallel else ""),
-                         f"{e.iteration_time_s:.3f}", f"{e.tokens_per_s:,.0f}", f"{e.mfu:.1%}", mem])
+                         f"{e.iteration_time_s:.3f}", band, f"{e.tokens_per_s:,.0f}", f"{e.mfu:.1%}", mem,
+                         e.status])
         header = ["#", "GPUs", "dp", "tp", "pp", "schedule", "mb x n", "zero", "recompute",
-                  "iter s", "tokens/s", "MFU", "peak GiB/device"]
+                  "iter s", "80% range", "tokens/s", "MFU", "peak GiB/device", "memory"]
         return _format_table(rows, header)
 
     def explain(self) -> str:

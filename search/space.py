@@ -65,6 +65,11 @@ class Constraints:
     """Show a progress bar on stderr (only when it is a terminal)."""
     profiles: Any = None
     """Measured layer profiles passed to the cost model (None: catalog roofline)."""
+    stack: Any = None
+    """Training stack the plans will run on (name, path or ``autoplan.stacks.Stack``; None:
+    the options' stack, else 'autoplan')."""
+    calibration: Any = None
+    """``costmodel.calibration.Calibration`` fitted on measured runs (None: defaults)."""
     options: Any = None
     """``costmodel.EstimateOptions`` for every estimate (None: the cost model's defaults);
     ``profiles``, when given, overrides its ``profiles`` field."""
@@ -126,6 +131,15 @@ class Constraints:
                 if not isinstance(v, bool):
                     raise ConfigError(k, f"must be True or False, got {v!r}")
                 out[k] = v
+            elif k == "stack":
+                from autoplan.stacks import get_stack
+                out[k] = None if v is None else get_stack(v)
+            elif k == "calibration":
+                from costmodel.calibration import Calibration
+                if v is not None and not isinstance(v, Calibration):
+                    raise ConfigError(k, f"must be a Calibration, got {type(v).__name__}",
+                                      "load one with costmodel.calibration.Calibration.load(path)")
+                out[k] = v
             elif k == "options":
                 from costmodel import EstimateOptions
                 if v is not None and not isinstance(v, EstimateOptions):
@@ -144,7 +158,11 @@ class Constraints:
 
         from costmodel import EstimateOptions
         opts = self.options or EstimateOptions()
-        return replace(opts, profiles=self.profiles) if self.profiles is not None else opts
+        changes = {k: getattr(self, k) for k in ("profiles", "stack", "calibration") if getattr(self, k) is not None}
+        if "stack" in changes:
+            # A new stack brings its own overlap and send behaviour.
+            changes.update(overlap_grad_reduce=None, blocking_p2p=None)
+        return replace(opts, **changes) if changes else opts
 
 
 def _tuple(v) -> tuple:

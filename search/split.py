@@ -32,10 +32,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from costmodel.memory import GRAD_BYTES_PER_PARAM
 from search.evaluate import Setting, Skeleton
 from search.inflight import inflight
-from search.tables import DYNAMIC_FACTOR, OVERHEAD, RECOMPUTES, Tables
+from search.tables import RECOMPUTES, Tables
 
 INF = np.inf
 
@@ -87,8 +86,9 @@ class Splitter:
         cost = fwd[None] + bi + bw[None]
         if z3:
             params = t.cum_params[None, :] - t.cum_params[:, None]
-            gather = self.tables.dp_collective(group, params * self.tables.weight_bytes, "all_gather")
-            scatter = self.tables.dp_collective(group, params * GRAD_BYTES_PER_PARAM, "reduce_scatter")
+            stack = self.tables.stack
+            gather = self.tables.dp_collective(group, params * stack.gathered_weights_bytes_per_param, "all_gather")
+            scatter = self.tables.dp_collective(group, params * stack.grad_reduce_bytes_per_param, "reduce_scatter")
             f2 = np.maximum(fwd, gather)
             b = bi + bw[None]
             cost = f2[None] + b + np.maximum(0.0, (gather + scatter)[None] - b)
@@ -101,17 +101,20 @@ class Splitter:
     def _mem_mats(self, sk: Skeleton, g: int, st: Setting) -> tuple[np.ndarray, np.ndarray]:
         """(base[q, s, e], act[q, s, e]): bytes of units [s, e) on one GPU of group g that
         do not depend on the in-flight count (states, transient), and activation bytes
-        per micro-batch; memory = OVERHEAD + DYNAMIC_FACTOR * (base + inflight * act)."""
+        per micro-batch, both with the allocator's fragmentation on the dynamic part;
+        memory = fixed + base + inflight * act (``Tables.memory_total``)."""
         group, kind = sk.groups[g], sk.kinds[g]
         key = (kind, st.micro_batch, st.sequence_parallel and kind.tp > 1, group.dp, st.zero)
         hit = self._mem.get(key)
         if hit is not None:
             return hit
         t = self.tables.table(kind, st.micro_batch, st.sequence_parallel)
+        dyn = self.tables.dynamic_factor
         params = t.cum_params[None, :] - t.cum_params[:, None]
-        states = self.tables.state_bytes(params, t.max_params, group.dp, st.zero)
-        base = states[None] + t.max_transient
-        act = t.cum_activation[:, None, :] - t.cum_activation[:, :, None]
+        cast = t.cum_cast_params[None, :] - t.cum_cast_params[:, None]
+        states = self.tables.state_bytes(params, t.max_params, group.dp, st.zero, cast)
+        base = states[None] + dyn * t.max_transient
+        act = dyn * (t.cum_activation[:, None, :] - t.cum_activation[:, :, None])
         self._mem[key] = (base, act)
         return base, act
 
@@ -177,16 +180,17 @@ class Splitter:
         costs, choices = [], []
         for j in range(S):
             g, chunk = j % P, j // P
-            cap = self.tables.cluster.groups[sk.kinds[g].pool].device.memory_bytes
+            cap = self.tables.capacity(sk.kinds[g].pool)
             n_inflight = counts[g][chunk]
             t_band = band(self._time_mats(sk, g, st), INF)
+            cap -= self.tables.fixed_bytes(sk.kinds[g].pool, sk.groups[g], P)
             if v == 1:
-                budget = (cap - OVERHEAD) / DYNAMIC_FACTOR
+                budget = cap
                 base, act = self._mem_mats(sk, g, st)
             else:
                 # A group's chunks share its memory, but its transient peak happens once:
                 # set aside the largest transient the group can see, split the rest.
-                budget = ((cap - OVERHEAD) / DYNAMIC_FACTOR - self._transient_reserve(sk, g, st, qs)) \
+                budget = (cap - self.tables.dynamic_factor * self._transient_reserve(sk, g, st, qs)) \
                     * shares[g][chunk]
                 base, act = self._states_mats(sk, g, st)
             base_band, act_band = band(base, 0.0), band(act, 0.0)
@@ -240,8 +244,9 @@ class Splitter:
         if hit is None:
             t = self.tables.table(kind, st.micro_batch, st.sequence_parallel)
             params = t.cum_params[None, :] - t.cum_params[:, None]
-            states = self.tables.state_bytes(params, t.max_params, group.dp, st.zero)
-            act = t.cum_activation[:, None, :] - t.cum_activation[:, :, None]
+            cast = t.cum_cast_params[None, :] - t.cum_cast_params[:, None]
+            states = self.tables.state_bytes(params, t.max_params, group.dp, st.zero, cast)
+            act = self.tables.dynamic_factor * (t.cum_activation[:, None, :] - t.cum_activation[:, :, None])
             hit = self._mem[key] = (np.broadcast_to(states, act.shape), act)
         return hit
 
@@ -315,8 +320,9 @@ class Splitter:
         rec, period, total = [], 0.0, 0.0
         for j, (a, b) in enumerate(bounds):
             g, chunk = j % P, j // P
-            cap = self.tables.cluster.groups[sk.kinds[g].pool].device.memory_bytes
-            budget = ((cap - OVERHEAD) / DYNAMIC_FACTOR - self._transient_reserve(sk, g, st, qs)) \
+            cap = self.tables.capacity(sk.kinds[g].pool) \
+                - self.tables.fixed_bytes(sk.kinds[g].pool, sk.groups[g], P)
+            budget = (cap - self.tables.dynamic_factor * self._transient_reserve(sk, g, st, qs)) \
                 * shares[g][chunk]
             base, act = self._states_mats(sk, g, st)
             ok = [q for q in qs if base[q][a, b] + fl.joint[g][chunk] * act[q][a, b] <= budget]

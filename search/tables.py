@@ -21,9 +21,8 @@ from autoplan.units import DTYPE_BYTES, GiB
 from costmodel.comm import collective_time, p2p_time
 from costmodel.compute import layer_timing
 from costmodel.efficiency import default_efficiency
-from costmodel.estimate import ADAM_STEP_BYTES_PER_PARAM, EstimateOptions
-from costmodel.memory import (FRAGMENTATION, FRAMEWORK_OVERHEAD_BYTES, GRAD_BYTES_PER_PARAM,
-                              OPTIMIZER_BYTES_PER_PARAM, activation_bytes, transient_bytes)
+from costmodel.estimate import EstimateOptions, device_timing_inputs
+from costmodel.memory import activation_bytes, transient_bytes
 
 RECOMPUTES = ("none", "selective", "full")
 """Recompute modes in order of increasing time and decreasing memory."""
@@ -31,10 +30,6 @@ RECOMPUTES = ("none", "selective", "full")
 PROBE = 1e8
 """Bytes at which the affine (alpha-beta) communication costs are read off the cost model."""
 
-OVERHEAD = FRAMEWORK_OVERHEAD_BYTES
-"""Fixed bytes per GPU (CUDA context, workspaces), as the cost model counts them."""
-DYNAMIC_FACTOR = 1.0 + FRAGMENTATION
-"""The cost model charges fragmentation on every byte of states, activations and transients."""
 
 
 @dataclass(frozen=True)
@@ -71,6 +66,9 @@ class LayerTable:
     """Weight-gradient seconds per micro-batch."""
     params: np.ndarray
     """Parameters per GPU (tensor-parallel shard)."""
+    cast_params: np.ndarray
+    """Parameters a matmul reads (all but embedding tables): what a stack that casts fp32
+    weights to half precision copies."""
     activation: np.ndarray
     """Bytes one micro-batch keeps for backward, by recompute mode: shape (3, units)."""
     transient: np.ndarray
@@ -82,6 +80,7 @@ class LayerTable:
     cum_backward_input: np.ndarray
     cum_backward_weight: np.ndarray
     cum_params: np.ndarray
+    cum_cast_params: np.ndarray
     cum_activation: np.ndarray
     max_params: np.ndarray
     """max_params[s, e]: largest unit (in parameters) of the run [s, e) (ZeRO-3 working set)."""
@@ -118,7 +117,17 @@ class Tables:
         self.options = options or EstimateOptions()
         """The cost model's options (measured profiles, blocking sends, overlap)."""
         self.profiles = self.options.profiles
+        self.stack = self.options.stack
+        """The training stack whose memory and kernels the tables use."""
         self.weight_bytes = DTYPE_BYTES[dtype]
+        """Bytes of a half-precision parameter as communicated (gathers of updated weights)."""
+        self.dynamic_factor = 1.0 + self.stack.allocator_fragmentation
+        """The cost model's factor on the dynamic working set (fragmentation)."""
+        self.margin = self.options.memory_margin
+        """Share of each device's memory kept free while searching (see ``capacity``)."""
+        cal = self.options.calibration
+        self._act_scale = cal.activation_scale if cal is not None else 1.0
+        self._extra_bytes = cal.memory_overhead_bytes if cal is not None else 0.0
         self._tables: dict[tuple, LayerTable] = {}
         self._pool_first = [cluster.group_ranks(k).start for k in range(len(cluster.groups))]
         self.built = 0
@@ -146,30 +155,47 @@ class Tables:
         dev = self.cluster.groups[kind.pool].device
         tp_ranks = tuple(range(self._pool_first[kind.pool], self._pool_first[kind.pool] + tp))
         n = model.num_layers
-        fwd, tpf, bw, params, out = (np.zeros(n) for _ in range(5))
+        fwd, tpf, bw, params, cast, out = (np.zeros(n) for _ in range(6))
+        stack = self.stack
+        eff, scale, label = device_timing_inputs(dev, self.options)
         bi = np.zeros((3, n))
         act = np.zeros((3, n))
         trans = np.zeros((3, n))
         sources = set()
         memo: dict = {}
         for i, layer in enumerate(model.layers):
-            row = memo.get(layer)
+            # The head's tensor-parallel communication depends on the unit before it.
+            memo_key = (layer, model.layers[i - 1].output_bytes if layer.kind == "head" and i else 0.0)
+            row = memo.get(memo_key)
             if row is None:
-                t = layer_timing(dev, layer, b, tp, sp, dtype, self.profiles)
+                t = layer_timing(dev, layer, b, tp, sp, dtype, self.profiles, stack.attention, eff)
                 tp_comm = 0.0
-                if tp > 1 and layer.tp_allreduces_fwd:
-                    tp_comm = layer.tp_allreduces_fwd * collective_time(
-                        self.cluster, tp_ranks, b * layer.output_bytes, "all_reduce")
+                if tp > 1:
+                    # As costmodel.estimate.stage_costs: row-parallel outputs all-reduced; the
+                    # head all-reduces its input gradient and, without a vocabulary-parallel
+                    # loss, gathers the logits.
+                    size = layer.output_bytes if layer.kind != "head" else memo_key[1]
+                    if layer.tp_allreduces_fwd:
+                        tp_comm = layer.tp_allreduces_fwd * collective_time(
+                            self.cluster, tp_ranks, b * size, "all_reduce")
+                    if layer.kind == "head" and not stack.vocab_parallel_loss:
+                        tp_comm += collective_time(self.cluster, tp_ranks, b * layer.output_bytes, "all_gather")
                 rec = (0.0, t.recompute_selective, t.forward)
+                f, bwi, bww = t.forward * scale, t.backward_input * scale, t.backward_weight * scale
+                rec = tuple(r * scale for r in rec)
                 # The cost model repeats the forward's tensor-parallel all-reduces when a
                 # fully recomputed unit re-runs its forward.
-                bi_q = tuple(t.backward_input + rec[q] + tp_comm * (2 if q == 2 else 1) for q in range(3))
-                act_q = tuple(activation_bytes([layer], m, b, tp, sp) for m in RECOMPUTES)
-                trans_q = tuple(transient_bytes([layer], m, b, tp, sp) for m in RECOMPUTES)
-                row = (t.forward + tp_comm, tp_comm, bi_q, t.backward_weight, layer.params.at(tp),
-                       b * layer.output_bytes, act_q, trans_q, t.source)
-                memo[layer] = row
-            fwd[i], tpf[i], bi_q, bw[i], params[i], out[i], act_q, trans_q, src = row
+                bi_q = tuple(bwi + rec[q] + tp_comm * (2 if q == 2 else 1) for q in range(3))
+                act_q = tuple(self._act_scale * activation_bytes([layer], m, b, tp, sp, stack, dtype)
+                              for m in RECOMPUTES)
+                trans_q = tuple(self._act_scale * transient_bytes([layer], m, b, tp, sp, stack, dtype)
+                                for m in RECOMPUTES)
+                src = label if label and t.source == "roofline" else t.source
+                row = (f + tp_comm, tp_comm, bi_q, bww, layer.params.at(tp),
+                       layer.params.at(tp) if layer.kind != "embedding" else 0.0,
+                       b * layer.output_bytes, act_q, trans_q, src)
+                memo[memo_key] = row
+            fwd[i], tpf[i], bi_q, bw[i], params[i], cast[i], out[i], act_q, trans_q, src = row
             bi[:, i], act[:, i], trans[:, i] = bi_q, act_q, trans_q
             sources.add(src)
 
@@ -177,25 +203,53 @@ class Tables:
             return np.concatenate((np.zeros(x.shape[:-1] + (1,)), np.cumsum(x, axis=-1)), axis=-1)
 
         return LayerTable(kind=kind, micro_batch=b, sequence_parallel=sp, forward=fwd, tp_forward=tpf,
-                          backward_input=bi, backward_weight=bw, params=params, activation=act,
+                          backward_input=bi, backward_weight=bw, params=params, cast_params=cast, activation=act,
                           transient=trans, output_bytes=out, cum_forward=cum(fwd), cum_tp_forward=cum(tpf),
                           cum_backward_input=cum(bi), cum_backward_weight=cum(bw), cum_params=cum(params),
-                          cum_activation=cum(act), max_params=_range_max(params),
+                          cum_cast_params=cum(cast), cum_activation=cum(act), max_params=_range_max(params),
                           max_transient=np.stack([_range_max(trans[q]) for q in range(3)]),
                           sources=frozenset(sources))
 
     # ------------------------------------------------------------ states
     def state_bytes(self, params: float | np.ndarray, max_params: float | np.ndarray, dp: int,
-                    zero: int):
-        """Weights + gradients + optimizer states (+ ZeRO-3 working set) per GPU for
-        ``params`` parameters, as ``costmodel.memory.model_state_bytes`` counts them."""
-        w = self.weight_bytes
-        total = (params * w / (dp if zero >= 3 else 1)
-                 + params * GRAD_BYTES_PER_PARAM / (dp if zero >= 2 else 1)
-                 + params * OPTIMIZER_BYTES_PER_PARAM / (dp if zero >= 1 else 1))
+                    zero: int, cast_params: float | np.ndarray = 0.0):
+        """Weights + gradients + optimizer states (+ ZeRO-3 working set, + half-precision
+        casts of ``cast_params``) per GPU, as ``costmodel.memory.model_state_bytes`` counts
+        them under the tables' stack. With ``cast_params`` = 0 it is a lower bound."""
+        stack = self.stack
+        total = params * stack.state_bytes_per_param(dp, zero)
         if zero >= 3 and dp > 1:
-            total = total + 2 * max_params * w
+            total = total + 2 * max_params * stack.gathered_weights_bytes_per_param
+        elif stack.weight_cast_bytes_per_param:
+            total = total + cast_params * stack.weight_cast_bytes_per_param
         return total
+
+    def step_bytes(self, params: float | np.ndarray, dp: int, zero: int):
+        """Optimizer-step temporaries per GPU (``costmodel.memory.optimizer_step_bytes``)."""
+        return params / (dp if zero >= 1 else 1) * self.stack.optimizer_step_bytes_per_param
+
+    def capacity(self, pool: int) -> float:
+        """Memory the search lets a GPU of ``pool`` fill: its capacity less the options'
+        margin while plans with room are sought (``margin`` is 0 when the search falls
+        back to tight plans)."""
+        return self.cluster.groups[pool].device.memory_bytes * (1.0 - self.margin)
+
+    def accelerator(self, pool: int) -> bool:
+        return not self.cluster.groups[pool].device.name.upper().startswith("CPU")
+
+    def fixed_bytes(self, pool: int, group: DeviceGroup | None = None, pp: int = 1) -> float:
+        """Bytes outside states and the dynamic working set on a GPU of ``pool``: CUDA
+        context, NCCL buffers per communicator and the stack's data-parallel buckets (as
+        ``costmodel.memory.group_memory``). Without a group: the context alone, a lower
+        bound for any group."""
+        if not self.accelerator(pool):
+            return min(self._extra_bytes, 0.0) if group is None else self._extra_bytes
+        stack = self.stack
+        if group is None:
+            return stack.cuda_context_bytes + min(self._extra_bytes, 0.0)
+        comms = (group.tp > 1) + (group.dp > 1) + (pp > 1)
+        return (stack.cuda_context_bytes + comms * stack.nccl_bytes_per_group
+                + (stack.dp_buffer_bytes if group.dp > 1 else 0.0) + self._extra_bytes)
 
     # -------------------------------------------------------------- comm
     def affine(self, ranks: tuple[int, ...], kind: str) -> tuple[float, float]:
@@ -290,13 +344,20 @@ class Tables:
         hit = self._opt_rate.get(pool)
         if hit is None:
             dev = self.cluster.groups[pool].device
-            hit = self._opt_rate[pool] = ADAM_STEP_BYTES_PER_PARAM / (
+            hit = self._opt_rate[pool] = self.stack.optimizer_traffic_bytes_per_param / (
                 dev.memory_bandwidth * default_efficiency(dev.name).memory)
         return hit
 
-    def memory_total(self, states, activations, transient):
-        """Per-GPU bytes the cost model reports for these components."""
-        return OVERHEAD + DYNAMIC_FACTOR * (states + activations + transient)
+    def step_overhead(self, pool: int) -> float:
+        """A calibration's fixed host seconds per step on a device of this pool."""
+        cal = self.options.calibration
+        dev = cal.device(self.cluster.groups[pool].device.name) if cal is not None else None
+        return dev.step_overhead_s if dev is not None else 0.0
+
+    def memory_total(self, states, activations, transient, step=0.0, fixed=0.0):
+        """Per-GPU bytes the cost model reports for these components
+        (``costmodel.memory.group_memory``'s total)."""
+        return fixed + states + self.dynamic_factor * np.maximum(activations + transient, step)
 
 
-__all__ = ["Kind", "LayerTable", "Tables", "RECOMPUTES", "OVERHEAD", "DYNAMIC_FACTOR", "GiB"]
+__all__ = ["Kind", "LayerTable", "Tables", "RECOMPUTES", "GiB"]

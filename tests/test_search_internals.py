@@ -202,7 +202,7 @@ def test_dp_finds_the_smallest_period_that_fits(case):
 # -------------------------------------------------------------------- bounds
 
 @pytest.mark.parametrize("schedule,b,zero,memory", [
-    ("1f1b", 1, 0, 40.0), ("1f1b", 2, 1, 3.0), ("gpipe", 1, 0, 4.0), ("zero-bubble", 1, 3, 3.0),
+    ("1f1b", 1, 0, 40.0), ("1f1b", 2, 1, 5.0), ("gpipe", 1, 0, 6.0), ("zero-bubble", 1, 3, 4.5),
     ("interleaved-1f1b", 1, 2, 40.0)], ids=lambda x: str(x))
 def test_time_bound_is_below_every_split(schedule, b, zero, memory):
     cluster = Cluster.from_dict({"inter_node": {"bandwidth_GBps": 10}, "node_groups": [

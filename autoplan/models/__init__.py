@@ -17,7 +17,7 @@ from autoplan.errors import ConfigError
 from autoplan.models.config import SwinConfig, TransformerConfig
 from autoplan.models.spec import ActivationBytes, Gemm, LayerSpec, ModelSpec, Split
 
-__all__ = ["get", "transformer", "from_module", "from_config", "list_presets", "ModelSpec", "LayerSpec",
+__all__ = ["get", "for_stack", "transformer", "from_module", "from_config", "list_presets", "ModelSpec", "LayerSpec",
            "Split", "Gemm", "ActivationBytes", "TransformerConfig", "SwinConfig"]
 
 
@@ -53,6 +53,28 @@ def get(source, dtype: str = "bf16", **overrides) -> ModelSpec:
         return from_config(get_config(text, **overrides), dtype)
     raise ConfigError("model", f"cannot build a model from {type(source).__name__}",
                       "give a preset name, a config.json path, a config object or an nn.Module")
+
+
+def for_stack(source, stack=None, dtype: str = "bf16", **overrides) -> ModelSpec:
+    """The spec of ``source`` (anything :func:`get` takes) as ``stack`` runs it: a zoo or
+    HuggingFace transformer is measured with the stack's attention kernel (fused or explicit
+    softmax) and norm implementation, which decide what the layers save for the backward.
+    A ModelSpec without an architecture config, or of another family, is used as given."""
+    import dataclasses
+
+    from autoplan.stacks import get_stack
+    stack = get_stack(stack)
+    kernels = {"attention": stack.spec_attention, "fused_norm": stack.fused_norm}
+    if isinstance(source, ModelSpec):
+        cfg = source.config
+        if not isinstance(cfg, TransformerConfig) or all(getattr(cfg, k) == v for k, v in kernels.items()):
+            return source
+        return from_config(dataclasses.replace(cfg, **kernels).resolved(), source.dtype)
+    spec = get(source, dtype=dtype, **overrides)
+    if isinstance(spec.config, TransformerConfig) and not all(getattr(spec.config, k) == v
+                                                               for k, v in kernels.items()):
+        return from_config(dataclasses.replace(spec.config, **kernels).resolved(), dtype)
+    return spec
 
 
 def transformer(layers: int, hidden: int, heads: int, seq_len: int, vocab: int, ffn_hidden: int | None = None,

@@ -1,0 +1,197 @@
+"""The training stack: the software a plan runs on, as an input of the cost model.
+
+The same plan costs different memory and time on different software: whether weights
+are kept in bf16 with an fp32 master copy (Megatron-LM, DeepSpeed) or in fp32 under
+autocast (plain PyTorch), whether gradients accumulate in fp32, whether the loss
+materialises fp32 logits, whether attention is a fused kernel, whether data-parallel
+communication overlaps the backward, how much the allocator and NCCL hold besides the
+model. Each stack is a documented data file (``autoplan/data/stacks/<name>.json``) with
+the source of every figure; ``get_stack`` reads one by name or path.
+
+    from autoplan.stacks import get_stack
+    stack = get_stack("megatron-core")
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from functools import lru_cache
+from pathlib import Path
+
+from autoplan.errors import ConfigError, closest
+from autoplan.fields import FieldReader, load_json
+from autoplan.units import GiB, MiB
+
+STACK_DIR = Path(__file__).parent / "data" / "stacks"
+SCHEMA_VERSION = 1
+ATTENTION_KERNELS = ("math", "flash2", "flash3")
+"""'math': explicit softmax(QK^T)V (saves the s x s probabilities); 'flash2': a fused kernel of
+FlashAttention-2's class (PyTorch SDPA, FlashAttention-2); 'flash3': Hopper-specific fused
+kernels (FlashAttention-3, cuDNN / Transformer Engine), FlashAttention-2 speed elsewhere."""
+DEFAULT_STACK = "autoplan"
+TARGET_STACKS = {"autoplan": "autoplan", "megatron": "megatron-core", "deepspeed": "deepspeed",
+                 "torchtitan": "torchtitan"}
+"""The stack a plan exported to (or searched for) an engine runs on."""
+
+
+@dataclass(frozen=True)
+class Stack:
+    """What a training stack does that changes a plan's memory and time.
+
+    Model states are per parameter held on a rank, before ZeRO sharding: ZeRO-1 divides
+    the master weights and optimizer moments by the data-parallel degree, ZeRO-2 also the
+    gradients, ZeRO-3 also the weights (Rajbhandari et al., SC20)."""
+
+    name: str
+    """Short name (the file's stem)."""
+    description: str
+    """What software this is, in a sentence."""
+    version: str
+    """The release or commit the figures describe."""
+    attention: str = "flash2"
+    """Attention kernel: one of ATTENTION_KERNELS."""
+    fused_norm: bool = True
+    """Norms run as one fused kernel saving only the half-precision input (Apex, TE, PyTorch
+    >= 2.8 on CUDA); False: the eager decomposition, which saves fp32 copies."""
+    weights_bytes_per_param: float = 2.0
+    """Persistent weight copy (bf16 = 2, fp32 = 4)."""
+    master_weights_bytes_per_param: float = 4.0
+    """Separate fp32 master weights kept by the optimizer (0 when the weights are fp32)."""
+    gradient_bytes_per_param: float = 4.0
+    """Gradient accumulation buffer (fp32 main grads = 4, bf16 = 2)."""
+    optimizer_bytes_per_param: float = 8.0
+    """Optimizer moments (Adam's m and v in fp32 = 8)."""
+    gathered_weights_bytes_per_param: float = 2.0
+    """Bytes per parameter of the full weights ZeRO-3 gathers for the unit being run."""
+    weight_cast_bytes_per_param: float = 0.0
+    """Half-precision copies of the weights made for every micro-batch in flight (autocast's
+    cast of fp32 weights, saved for the backward); 0 when weights are already half precision."""
+    optimizer_step_bytes_per_param: float = 0.0
+    """Temporary bytes per local parameter while the optimizer steps (PyTorch's foreach
+    AdamW allocates a fp32 tensor per parameter for sqrt(v); fused kernels allocate none)."""
+    optimizer_traffic_bytes_per_param: float = 42.0
+    """Memory traffic of one optimizer step per local parameter, gradient-norm and clipping
+    passes included (bandwidth-bound: it sets the step's time)."""
+    loss_saved_bytes_per_logit: float = 4.0
+    """Bytes per logit element the loss keeps from forward to backward (an fp32 softmax or
+    log-softmax = 4; a fused cross entropy keeps almost none)."""
+    loss_peak_bytes_per_logit: float = 6.0
+    """Bytes per logit element alive at the peak of the loss's backward, saved bytes included."""
+    vocab_parallel_loss: bool = True
+    """The loss runs on vocabulary shards (Megatron's vocab-parallel cross entropy); False:
+    the logits are gathered to the full vocabulary on every tensor-parallel rank first."""
+    grad_reduce_bytes_per_param: float = 4.0
+    """Bytes per parameter the data-parallel gradient reduction moves (fp32 = 4, bf16 = 2)."""
+    dp_buffer_bytes: float = 0.0
+    """Communication buffers for the data-parallel reduction and gather that are not the
+    gradients themselves (DeepSpeed's reduce/all-gather buckets), when dp > 1."""
+    overlap_grad_reduce: bool = True
+    """Data-parallel gradient reduction overlaps the backward (bucketed)."""
+    overlap_param_gather: bool = True
+    """ZeRO-1/2's parameter all-gather after the step overlaps the next forward."""
+    blocking_p2p: bool = True
+    """Pipeline sends hold the sending rank until they complete (batched send/recv)."""
+    cuda_context_bytes: float = 0.6 * GiB
+    """Driver context, kernel images and library handles per GPU (outside the allocator)."""
+    nccl_bytes_per_group: float = 0.25 * GiB
+    """NCCL buffers per communicator a rank belongs to (tensor, data, pipeline groups)."""
+    allocator_fragmentation: float = 0.08
+    """Share of the dynamic working set (activations, temporaries) the caching allocator
+    cannot hand out again (fragmentation and rounding)."""
+    sources: dict = field(default_factory=dict, compare=False, hash=False)
+    """Where each figure comes from (field name -> citation)."""
+
+    def validate(self) -> "Stack":
+        """The one place a stack's values are checked."""
+        if self.attention not in ATTENTION_KERNELS:
+            raise ConfigError(f"stack {self.name}.attention", f"{self.attention!r} is not one of "
+                              f"{list(ATTENTION_KERNELS)}")
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if f.type in ("float",) and (not isinstance(v, (int, float)) or v < 0 or v != v):
+                raise ConfigError(f"stack {self.name}.{f.name}", f"must be a finite number >= 0, got {v!r}")
+        if self.allocator_fragmentation >= 1:
+            raise ConfigError(f"stack {self.name}.allocator_fragmentation",
+                              f"must be < 1, got {self.allocator_fragmentation}")
+        return self
+
+    @property
+    def spec_attention(self) -> str:
+        """The zoo's attention implementation whose saved tensors this stack's kernel has."""
+        return "math" if self.attention == "math" else "flash"
+
+    def state_bytes_per_param(self, dp: int, zero: int) -> float:
+        """Bytes of weights, gradients and optimizer state per parameter on one rank."""
+        shard = lambda stage: dp if zero >= stage else 1  # noqa: E731
+        return (self.weights_bytes_per_param / shard(3) + self.gradient_bytes_per_param / shard(2)
+                + (self.master_weights_bytes_per_param + self.optimizer_bytes_per_param) / shard(1))
+
+    def to_dict(self) -> dict:
+        out = {"schema_version": SCHEMA_VERSION}
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if f.name in _FILE_UNITS:
+                v = v / _FILE_UNITS[f.name]
+            out[_FILE_KEYS.get(f.name, f.name)] = dict(v) if isinstance(v, dict) else v
+        return out
+
+    @classmethod
+    def from_dict(cls, data: dict, where: str = "stack") -> "Stack":
+        r = FieldReader(data, where)
+        keys = {_FILE_KEYS.get(f.name, f.name): f for f in fields(cls)}
+        r.reject_unknown(["schema_version", *keys])
+        version = r.int("schema_version", SCHEMA_VERSION)
+        if version > SCHEMA_VERSION:
+            raise ConfigError(r.path("schema_version"), f"{version} is newer than this autoplan "
+                              f"understands ({SCHEMA_VERSION})", "upgrade autoplan")
+        values = {}
+        for key, f in keys.items():
+            if not r.has(key):
+                if f.name in ("name", "description", "version"):
+                    raise ConfigError(r.path(key), "is required but missing")
+                continue
+            if f.type == "bool":
+                values[f.name] = r.bool(key)
+            elif f.type == "str":
+                values[f.name] = r.str(key, choices=ATTENTION_KERNELS if f.name == "attention" else None)
+            elif f.type == "dict":
+                sub = r.sub(key)
+                values[f.name] = {k: sub.str(k) for k in sub.data}
+            else:
+                values[f.name] = r.float(key, minimum=0.0) * _FILE_UNITS.get(f.name, 1)
+        return cls(**values).validate()
+
+
+_FILE_KEYS = {"cuda_context_bytes": "cuda_context_GiB", "nccl_bytes_per_group": "nccl_MiB_per_group",
+              "dp_buffer_bytes": "dp_buffer_MiB"}
+"""Fields whose file key carries a unit other than bytes."""
+_FILE_UNITS = {"cuda_context_bytes": GiB, "nccl_bytes_per_group": MiB, "dp_buffer_bytes": MiB}
+
+
+def stack_names() -> list[str]:
+    """Names of the stacks shipped with autoplan."""
+    return sorted(p.stem for p in STACK_DIR.glob("*.json"))
+
+
+@lru_cache(maxsize=32)
+def _load(path: str) -> Stack:
+    p = Path(path)
+    return Stack.from_dict(load_json(p, "stack file"), where=p.name)
+
+
+def get_stack(stack: "str | Stack | None" = None) -> Stack:
+    """A stack by name (``autoplan``, ``megatron-core``, ...), by path to a stack JSON file,
+    or passed through; None is the default (autoplan's own runtime)."""
+    if isinstance(stack, Stack):
+        return stack
+    name = DEFAULT_STACK if stack is None else stack
+    if not isinstance(name, str):
+        raise ConfigError("stack", f"must be a stack name or a path, got {type(name).__name__}")
+    if name.endswith(".json"):
+        return _load(str(Path(name).resolve()))
+    path = STACK_DIR / f"{name}.json"
+    if not path.is_file():
+        known = stack_names()
+        hint = closest(name, known)
+        raise ConfigError("stack", f"{name!r} is not a known training stack",
+                          (hint + " " if hint else "") + f"known: {', '.join(known)}; or a path to a stack .json")
+    return _load(str(path))

@@ -1,0 +1,193 @@
+"""The training stack is an input: shipped stacks load and are documented, memory follows
+each stack's precision and loss, and bad stack input is one clear error."""
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+import autoplan
+from autoplan.errors import ConfigError
+from autoplan.stacks import _FILE_KEYS, STACK_DIR, TARGET_STACKS, Stack, get_stack, stack_names
+from costmodel import EstimateOptions
+from costmodel.memory import loss_logits, model_state_bytes
+from tests.helpers import uniform_model
+
+ISSUE_STACKS = ("autoplan", "megatron-core", "megatron-lm-2021", "megatron-deepspeed", "deepspeed", "torchtitan")
+
+
+def test_every_named_stack_ships():
+    assert set(ISSUE_STACKS) <= set(stack_names())
+    assert set(TARGET_STACKS.values()) <= set(stack_names())
+
+
+@pytest.mark.parametrize("name", stack_names())
+def test_stack_file_is_valid_and_sourced(name):
+    stack = get_stack(name)
+    assert stack.name == name
+    assert json.loads((STACK_DIR / f"{name}.json").read_text())["name"] == name
+    # Every figure that differs from the dataclass default says where it comes from.
+    defaults = Stack(name="x", description="x", version="x")
+    for f in dataclasses.fields(Stack):
+        if f.name in ("name", "description", "version", "sources"):
+            continue
+        if getattr(stack, f.name) != getattr(defaults, f.name):
+            assert _FILE_KEYS.get(f.name, f.name) in stack.sources, f"{name}.{f.name} has no source"
+    assert Stack.from_dict(stack.to_dict(), where=name) == stack
+
+
+@pytest.mark.parametrize("value,message", [
+    ("megatron", "not a known training stack"),
+    ("no-such-stack", "known: "),
+    (3, "must be a stack name"),
+], ids=["partial-name", "unknown", "not-a-string"])
+def test_unknown_stack_is_one_line_error(value, message):
+    with pytest.raises(ConfigError, match=message) as e:
+        get_stack(value)
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("edit,field", [
+    ({"attention": "flash9"}, "attention"),
+    ({"gradient_bytes_per_param": -2}, "gradient_bytes_per_param"),
+    ({"allocator_fragmentation": 1.5}, "allocator_fragmentation"),
+    ({"cuda_context_GiB": "lots"}, "cuda_context_GiB"),
+    ({"grads_in_bf16": True}, "grads_in_bf16"),
+    ({"schema_version": 99}, "schema_version"),
+], ids=["kernel", "negative", "fragmentation", "type", "unknown-field", "version"])
+def test_bad_stack_file_names_the_field(tmp_path, edit, field):
+    data = get_stack("megatron-core").to_dict() | edit
+    path = tmp_path / "mine.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(ConfigError, match=field):
+        get_stack(str(path))
+
+
+def test_stack_from_a_path(tmp_path):
+    data = get_stack("megatron-core").to_dict() | {"name": "mine", "cuda_context_GiB": 2.0}
+    path = tmp_path / "mine.json"
+    path.write_text(json.dumps(data))
+    assert get_stack(str(path)).cuda_context_bytes == 2 * 2 ** 30
+
+
+# ----------------------------------------------------------------- model states
+@pytest.mark.parametrize("stack", ["megatron-core", "deepspeed", "torchtitan", "aa-scaling"])
+@pytest.mark.parametrize("zero,dp", [(0, 4), (1, 4), (2, 8), (3, 8)], ids=str)
+def test_zero_model_state_bytes_follow_the_stack(stack, zero, dp):
+    s = get_stack(stack)
+    layers = list(uniform_model(4, params=1e9).layers)
+    got = model_state_bytes(layers, tp=1, dp=dp, zero=zero, stack=s)
+    P = 4e9
+    working = 2 * 1e9 * s.gathered_weights_bytes_per_param if zero >= 3 else 0.0
+    assert got.weights == pytest.approx(s.weights_bytes_per_param * P / (dp if zero >= 3 else 1) + working)
+    assert got.gradients == pytest.approx(s.gradient_bytes_per_param * P / (dp if zero >= 2 else 1))
+    assert got.optimizer == pytest.approx((s.master_weights_bytes_per_param + s.optimizer_bytes_per_param) * P
+                                          / (dp if zero >= 1 else 1))
+
+
+def test_published_per_parameter_figures():
+    # ZeRO (Rajbhandari et al. 2020, Fig. 1): 16 bytes per parameter for bf16 mixed precision
+    # with Adam; Megatron-LM's distributed optimizer: 6 + 12/d with fp32 gradients.
+    assert get_stack("deepspeed").state_bytes_per_param(1, 0) == 16
+    assert get_stack("megatron-core").state_bytes_per_param(8, 1) == pytest.approx(6 + 12 / 8)
+
+
+def test_autocast_copies_count_for_fp32_weight_stacks():
+    layers = list(uniform_model(4, params=1e9).layers)
+    with_cast = model_state_bytes(layers, 1, 1, 0, get_stack("autoplan"))
+    plain = model_state_bytes(layers, 1, 1, 0, dataclasses.replace(get_stack("autoplan"),
+                                                                   weight_cast_bytes_per_param=0))
+    assert with_cast.weights - plain.weights == pytest.approx(2 * 4e9)
+
+
+# -------------------------------------------------------------------- the loss
+@pytest.mark.parametrize("stack,tp,expected_share", [
+    ("megatron-core", 4, 1 / 4),        # vocabulary-parallel: each rank its shard
+    ("autoplan", 4, 1.0),               # gathered logits: the full vocabulary everywhere
+], ids=["vocab-parallel", "gathered"])
+def test_loss_runs_over_the_stack_s_logits(stack, tp, expected_share):
+    model = autoplan.models.get("gpt-tiny")
+    head = model.layers[-1]
+    full = head.output_bytes / 2
+    assert loss_logits(head, tp, "bf16", get_stack(stack)) == pytest.approx(full * expected_share)
+
+
+def test_loss_bytes_land_on_the_last_stage_only():
+    model = autoplan.models.get("gpt2-small", seq_len=1024)
+    cluster = autoplan.Cluster.homogeneous("A100-80GB", 1, 2)
+    plan = autoplan.Plan.uniform(model, cluster, tp=1, pp=2, dp=1, micro_batch=4, global_batch=16)
+    lean = dataclasses.replace(get_stack("megatron-core"), loss_saved_bytes_per_logit=0, loss_peak_bytes_per_logit=0)
+    heavy = dataclasses.replace(lean, loss_saved_bytes_per_logit=4, loss_peak_bytes_per_logit=20)
+    a = autoplan.estimate(model, cluster, plan, stack=lean)
+    b = autoplan.estimate(model, cluster, plan, stack=heavy)
+    logits = 4 * model.layers[-1].output_bytes / 2
+    assert b.memory_by_group[0].total == pytest.approx(a.memory_by_group[0].total)
+    last_a, last_b = a.memory_by_group[1], b.memory_by_group[1]
+    assert last_b.activations - last_a.activations == pytest.approx(4 * logits)
+    assert last_b.transient >= 16 * logits - 1
+
+
+# -------------------------------------------------------------- estimate options
+def test_stack_decides_overlap_unless_overridden():
+    assert EstimateOptions(stack="megatron-lm-2021").overlap_grad_reduce is False
+    assert EstimateOptions(stack="megatron-core").overlap_grad_reduce is True
+    assert EstimateOptions(stack="megatron-core", overlap_grad_reduce=False).overlap_grad_reduce is False
+
+
+@pytest.mark.parametrize("margin", [-0.1, 0.6, True], ids=["negative", "too-big", "bool"])
+def test_memory_margin_is_validated(margin):
+    with pytest.raises(ConfigError, match="memory_margin"):
+        EstimateOptions(memory_margin=margin)
+
+
+def test_plans_within_the_margin_are_tight_not_fits():
+    model = autoplan.models.get("gpt2-small", seq_len=1024)
+    cluster = autoplan.Cluster.homogeneous("V100-16GB", 1, 1)
+    plan = autoplan.Plan.uniform(model, cluster, tp=1, pp=1, dp=1, micro_batch=8, global_batch=8,
+                                 recompute="selective")
+    est = autoplan.estimate(model, cluster, plan)
+    cap = cluster.groups[0].device.memory_bytes
+    share = 1 - est.peak_memory_bytes / cap
+    assert est.fits and not est.tight and 0.05 < share < 0.45
+    tight = autoplan.estimate(model, cluster, plan, memory_margin=share + 0.01)
+    assert tight.fits and tight.tight and tight.status == "tight"
+    assert tight.headroom_bytes == pytest.approx(cap - est.peak_memory_bytes)
+
+
+def test_estimate_names_its_inputs_and_interval():
+    model = autoplan.models.get("gpt-tiny")
+    cluster = autoplan.Cluster.homogeneous("H100", 1, 8)
+    plan = autoplan.Plan.uniform(model, cluster, tp=2, pp=1, dp=4, micro_batch=2, global_batch=16)
+    est = autoplan.estimate(model, cluster, plan, stack="torchtitan")
+    assert est.stack == "torchtitan"
+    assert est.inputs["stack"].startswith("torchtitan")
+    assert est.inputs["H100-SXM5-80GB"].startswith("roofline")
+    lo, hi = est.time_interval_s
+    assert lo <= est.iteration_time_s <= hi
+    mlo, mhi = est.memory_interval_bytes
+    assert mlo <= est.peak_memory_bytes <= mhi
+    d = est.to_dict()
+    assert d["stack"] == "torchtitan" and d["status"] in ("fits", "tight") and len(d["iteration_time_interval_s"]) == 2
+
+
+def test_stack_kernels_change_what_the_model_saves():
+    model = autoplan.models.get("gpt2-small", seq_len=1024)
+    math = autoplan.models.for_stack(model, "megatron-lm-2021")
+    flash = autoplan.models.for_stack(model, "megatron-core")
+    assert math.config.attention == "math" and flash.config.attention == "flash"
+    block = 1
+    assert math.layers[block].activation_bytes["none"].total > 1.5 * flash.layers[block].activation_bytes["none"].total
+
+
+def test_dropout_masks_are_measured():
+    base = dict(layers=2, hidden=256, heads=4, seq_len=256, vocab=1000, attention="math")
+    plain = autoplan.models.transformer(**base)
+    dropped = autoplan.models.transformer(**base, dropout=0.1)
+    b = 256 * 256
+    extra = dropped.layers[1].activation_bytes["none"].total - plain.layers[1].activation_bytes["none"].total
+    # Korthikanti et al. 2022: two hidden masks (1 byte each) per token and hidden unit, plus the
+    # attention-probability mask and its dropped probabilities (1 + 2 bytes per score).
+    assert extra == pytest.approx(2 * b + 3 * 4 * 256 * 256, rel=0.01)
+    with pytest.raises(ConfigError, match="dropout"):
+        autoplan.models.transformer(**base, dropout=1.0)
