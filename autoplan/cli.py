@@ -14,7 +14,8 @@ import autoplan.commands as _commands
 
 # Listed so that --help shows the main flow first; any other module in
 # autoplan/commands is added after these.
-ORDER = ("search", "estimate", "run", "profile", "bench", "export", "models", "devices", "cluster")
+ORDER = ("search", "estimate", "run", "calibrate", "profile", "bench", "export", "models", "devices", "cluster",
+         "stacks")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -13,9 +13,43 @@ def add_model_args(p: argparse.ArgumentParser, required: bool = True) -> None:
 
 
 def load_model(args, dtype: str = "bf16"):
+    """The model spec as the command's training stack (``--stack``) runs it."""
     from autoplan import models
     overrides = {"seq_len": args.seq_len} if getattr(args, "seq_len", None) else {}
-    return models.get(args.model, dtype=dtype, **overrides)
+    return models.for_stack(args.model, getattr(args, "stack", None), dtype=dtype, **overrides)
+
+
+def add_cost_model_args(p: argparse.ArgumentParser) -> None:
+    """--stack, --calibration, --profiles and --no-overlap: what the cost model assumes."""
+    from autoplan.stacks import stack_names
+    c = p.add_argument_group("cost model")
+    c.add_argument("--stack", default=None, metavar="STACK",
+                   help=f"training stack the plan runs on: {', '.join(stack_names())} or a stack .json "
+                        "(default: autoplan)")
+    c.add_argument("--calibration", default=None, metavar="CALIB_JSON",
+                   help="parameters fitted from measured runs (from `autoplan calibrate`)")
+    c.add_argument("--profiles", default=None,
+                   help="folder of measured profiles (from `autoplan profile`); default: the shipped ones")
+    c.add_argument("--no-overlap", action="store_true",
+                   help="data-parallel gradient reduction does not overlap the backward (default: as the stack does)")
+    c.add_argument("--memory-margin", type=float, default=None, metavar="SHARE",
+                   help="share of device memory a plan must leave free not to be 'tight' (default 0.03)")
+
+
+def cost_model_options(args):
+    """The EstimateOptions the cost-model arguments ask for (files are read here, before
+    any long work, so a bad path fails at once)."""
+    from autoplan.stacks import get_stack
+    from costmodel import EstimateOptions
+    from costmodel.calibration import Calibration
+    options = {"stack": get_stack(getattr(args, "stack", None)), "profiles": load_profiles(args.profiles)}
+    if getattr(args, "calibration", None):
+        options["calibration"] = Calibration.load(args.calibration)
+    if args.no_overlap:
+        options["overlap_grad_reduce"] = False
+    if getattr(args, "memory_margin", None) is not None:
+        options["memory_margin"] = args.memory_margin
+    return EstimateOptions(**options)
 
 
 def load_profiles(folder: str | None):

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import json
 
-from autoplan.commands._common import add_model_args, gib, load_model, load_profiles, table
+from autoplan.commands._common import add_cost_model_args, add_model_args, cost_model_options, gib, load_model, table
 
 
 def register(sub) -> None:
@@ -11,25 +11,25 @@ def register(sub) -> None:
     p.add_argument("--cluster", required=True, help="cluster.json")
     add_model_args(p)
     p.add_argument("--plan", required=True, help="plan.json (from `autoplan search --out`)")
-    p.add_argument("--profiles", default=None,
-                   help="folder of measured profiles (from `autoplan profile`); default: the shipped ones")
-    p.add_argument("--no-overlap", action="store_true",
-                   help="data-parallel gradient reduction does not overlap the backward (Megatron-LM before 2023)")
     p.add_argument("--timeline", default=None, metavar="PNG", help="draw the simulated schedule to this file")
     p.add_argument("--memory-plot", default=None, metavar="PNG", help="draw per-rank memory to this file")
     p.add_argument("--measured", default=None, metavar="RUN_JSON",
                    help="a measured-run record from `autoplan run --out`: print predicted vs measured")
     p.add_argument("--json", action="store_true", help="print the estimate as JSON")
+    add_cost_model_args(p)
     p.set_defaults(func=run)
 
 
 def run(args) -> int:
-    from autoplan import Cluster, Plan, estimate
+    from autoplan import Cluster, Plan
+    from costmodel import estimate
     cluster = Cluster.load(args.cluster)
     plan = Plan.load(args.plan)
+    options = cost_model_options(args)
     model = load_model(args, dtype=plan.dtype)
-    est = estimate(model, cluster, plan, overlap_grad_reduce=not args.no_overlap,
-                   profiles=load_profiles(args.profiles))
+    for path in (args.timeline, args.memory_plot):
+        _check_writable(path)
+    est = estimate(model, cluster, plan, options)
     if args.json:
         print(json.dumps(est.to_dict(), indent=2))
     else:
@@ -41,11 +41,15 @@ def run(args) -> int:
             dev = cluster.slots[group.ranks[0]].device
             rows.append([str(g), f"{group.ranks[0]}-{group.ranks[-1]}", dev.name, gib(mem.weights),
                          gib(mem.gradients), gib(mem.optimizer), gib(mem.activations), gib(mem.transient),
-                         gib(mem.overhead), gib(mem.total), gib(dev.memory_bytes)])
-        print("\nmemory per GPU (GiB) by pipeline rank:")
-        print(table(rows, ["pp", "ranks", "device", "weights", "grads", "optim", "activ", "temp", "other",
-                           "total", "capacity"]))
-        print("\ninputs: " + ", ".join(f"{d}: {s}" for d, s in est.sources.items()))
+                         gib(mem.buffers + mem.nccl), gib(mem.context), gib(mem.fragmentation), gib(mem.total),
+                         gib(dev.memory_bytes), gib(dev.memory_bytes - mem.total)])
+        print(f"\nmemory per GPU (GiB) by pipeline rank, stack {est.stack}:")
+        print(table(rows, ["pp", "ranks", "device", "weights", "grads", "optim", "activ", "temp", "comm buf",
+                           "context", "frag", "total", "capacity", "free"]))
+        if est.tight:
+            print(f"tight: less than {est.memory_margin:.0%} of a device's memory stays free; the prediction's "
+                  "own error could tip it over (see the 80% range)")
+        print("\ninputs: " + "; ".join(f"{k}: {v}" for k, v in est.inputs.items()))
     if args.timeline or args.memory_plot:
         from autoplan import plots
         if args.timeline:
@@ -59,3 +63,15 @@ def run(args) -> int:
         print()
         print(compare_with_estimate(load_record(args.measured), est))
     return 0 if est.fits else 1
+
+
+def _check_writable(path) -> None:
+    """Fail before the work when an output file cannot be written."""
+    if not path:
+        return
+    from pathlib import Path
+
+    from autoplan.errors import ConfigError
+    parent = Path(path).resolve().parent
+    if not parent.is_dir():
+        raise ConfigError(str(path), f"cannot be written: {parent} is not a directory", "create it first")

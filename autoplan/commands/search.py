@@ -5,7 +5,7 @@ import json
 import sys
 import textwrap
 
-from autoplan.commands._common import add_model_args, load_model, load_profiles
+from autoplan.commands._common import add_cost_model_args, add_model_args, cost_model_options, load_model
 
 
 def _ints(text: str) -> list[int]:
@@ -38,25 +38,19 @@ def register(sub) -> None:
     g.add_argument("--zero", type=_ints, default=None, help="ZeRO stages, e.g. 0,1 (default: 0-3)")
     g.add_argument("--no-sequence-parallel", action="store_true", help="never use sequence parallelism")
     g.add_argument("--use-all-gpus", action="store_true", help="only plans that use every GPU")
-    c = p.add_argument_group("cost model")
-    c.add_argument("--profiles", default=None,
-                   help="folder of measured profiles (from `autoplan profile`); default: the shipped ones")
-    c.add_argument("--no-overlap", action="store_true",
-                   help="data-parallel gradient reduction does not overlap the backward")
+    add_cost_model_args(p)
     p.set_defaults(func=run)
 
 
 def run(args) -> int:
     from autoplan import Cluster
     from autoplan.errors import NoPlanFitsError
-    from costmodel import EstimateOptions
     from search import search
 
     cluster = Cluster.load(args.cluster)
+    options = cost_model_options(args)
     model = load_model(args)
-    constraints = {"progress": not args.no_progress and not args.json,
-                   "options": EstimateOptions(overlap_grad_reduce=not args.no_overlap,
-                                              profiles=load_profiles(args.profiles))}
+    constraints = {"progress": not args.no_progress and not args.json, "options": options}
     for name in ("tp", "pp", "dp", "micro_batch", "schedules", "recompute", "zero"):
         value = getattr(args, name)
         if value is not None:
@@ -75,6 +69,7 @@ def run(args) -> int:
         best.plan.save(args.out, extra={"estimate": best.estimate.to_dict()})
     if args.json:
         print(json.dumps({"model": model.name, "cluster": cluster.name, "global_batch": args.global_batch,
+                          "stack": options.stack.name,
                           "ranked": [{"rank": rp.rank, "plan": rp.plan.to_dict(),
                                       "estimate": rp.estimate.to_dict(), "gpus_used": rp.gpus_used}
                                      for rp in result.ranked[:args.top_k]],
@@ -82,7 +77,8 @@ def run(args) -> int:
                          indent=2, default=str))
         return 0
     print(f"model {model.describe()}")
-    print(f"cluster {cluster.name}: {cluster.num_gpus} GPUs, global batch {args.global_batch}")
+    print(f"cluster {cluster.name}: {cluster.num_gpus} GPUs, global batch {args.global_batch}; "
+          f"stack {options.stack.name}" + (", calibrated" if options.calibration else ""))
     print()
     print(result.table(args.top_k))
     print()
