@@ -41,17 +41,17 @@ def _node_tp(model, cluster: Cluster, limit: int = 8) -> int:
     return max(allowed) if allowed else 1
 
 
-def _fits(model, cluster: Cluster, plan: Plan) -> bool:
+def _fits(model, cluster: Cluster, plan: Plan, stack=None) -> bool:
     from costmodel import estimate
-    return estimate(model, cluster, plan).fits
+    return estimate(model, cluster, plan, stack=stack).fits
 
 
-def _first_fitting(model, cluster: Cluster, plans, layouts: str, global_batch: int) -> Plan:
+def _first_fitting(model, cluster: Cluster, plans, layouts: str, global_batch: int, stack=None) -> Plan:
     """The first of ``plans`` (ordered from the rule's preferred to its leanest) that fits,
     else the last one tried, the leanest; a recipe with no layout at all is an error."""
     lean = None
     for plan in plans:
-        if _fits(model, cluster, plan):
+        if _fits(model, cluster, plan, stack):
             return plan
         lean = plan
     if lean is None:
@@ -73,7 +73,7 @@ def _meshes(gpus: int, tp: int, body_layers: int, global_batch: int):
             yield pp, gpus // (tp * pp)
 
 
-def megatron(model, cluster: Cluster, global_batch: int) -> Plan:
+def megatron(model, cluster: Cluster, global_batch: int, stack=None) -> Plan:
     """Megatron-LM's published practice.
 
     * Tensor parallelism across the GPUs of a node, up to 8 and dividing the heads
@@ -91,7 +91,8 @@ def megatron(model, cluster: Cluster, global_batch: int) -> Plan:
       Recomputation in Large Transformer Models", 2022, §5).
 
     Uses every GPU: pp * tp must divide the GPU count and dp must divide the global batch.
-    When nothing fits, returns the leanest such plan (most stages, full recomputation)."""
+    When nothing fits, returns the leanest such plan (most stages, full recomputation).
+    Whether a plan fits is judged on ``stack`` (a training stack name; None: autoplan's)."""
     model = _check(model, cluster, global_batch)
     n = cluster.num_gpus
     tp = _node_tp(model, cluster)
@@ -107,10 +108,10 @@ def megatron(model, cluster: Cluster, global_batch: int) -> Plan:
                                    schedule=schedule, virtual_stages=v, recompute=recompute,
                                    sequence_parallel=tp > 1)
 
-    return _first_fitting(model, cluster, plans(), f"no Megatron layout of {n} GPUs (tp={tp})", global_batch)
+    return _first_fitting(model, cluster, plans(), f"no Megatron layout of {n} GPUs (tp={tp})", global_batch, stack)
 
 
-def deepspeed(model, cluster: Cluster, global_batch: int, variant: str = "zero3") -> Plan:
+def deepspeed(model, cluster: Cluster, global_batch: int, variant: str = "zero3", stack=None) -> Plan:
     """DeepSpeed's recipes.
 
     ``variant="zero3"``: ZeRO stage 3 data parallelism over all GPUs (Rajbhandari et al.,
@@ -126,7 +127,8 @@ def deepspeed(model, cluster: Cluster, global_batch: int, variant: str = "zero3"
     inside a node, micro-batch 1, activation checkpointing (full) only when needed.
 
     Uses every GPU (the data-parallel degree is the largest divisor of the global batch
-    the GPUs allow). When nothing fits, returns the leanest plan tried."""
+    the GPUs allow). When nothing fits, returns the leanest plan tried. Whether a plan fits
+    is judged on ``stack`` (a training stack name; None: autoplan's)."""
     model = _check(model, cluster, global_batch)
     n = cluster.num_gpus
     if variant == "zero3":
@@ -137,12 +139,12 @@ def deepspeed(model, cluster: Cluster, global_batch: int, variant: str = "zero3"
         plans = (Plan.uniform(model, cluster, tp=1, pp=1, dp=dp, micro_batch=b, global_batch=global_batch,
                               recompute=recompute, zero=3)
                  for recompute in ("none", "full") for b in sizes)
-        return _first_fitting(model, cluster, plans, f"no ZeRO-3 layout of {n} GPUs", global_batch)
+        return _first_fitting(model, cluster, plans, f"no ZeRO-3 layout of {n} GPUs", global_batch, stack)
     if variant == "3d":
         tp = _node_tp(model, cluster)
         body = _body_layers(model)
         plans = (Plan.uniform(model, cluster, tp=tp, pp=pp, dp=dp, micro_batch=1, global_batch=global_batch,
                               schedule="1f1b", recompute=recompute, zero=1 if dp > 1 else 0)
                  for pp, dp in _meshes(n, tp, body, global_batch) for recompute in ("none", "full"))
-        return _first_fitting(model, cluster, plans, f"no 3D layout of {n} GPUs (tp={tp})", global_batch)
+        return _first_fitting(model, cluster, plans, f"no 3D layout of {n} GPUs (tp={tp})", global_batch, stack)
     raise ConfigError("variant", f"{variant!r} is not a DeepSpeed recipe", "choose 'zero3' or '3d'")

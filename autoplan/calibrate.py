@@ -35,8 +35,12 @@ from autoplan.plan import Plan
 from autoplan.units import GiB
 from costmodel.calibration import Calibration, DeviceCalibration
 
-MIN_RUNS = 3
-"""Fewest measured runs with a step time a calibration is fitted from (three parameters)."""
+MIN_RUNS = 2
+"""Fewest measured runs with a step time a calibration is fitted from. With fewer than four,
+the cost per kernel launch keeps the device family's default and only the compute scale and
+the host cost per step are fitted (two parameters need two runs)."""
+FULL_FIT_RUNS = 4
+"""Runs from which all three timing parameters are fitted."""
 CSV_REQUIRED = ("model", "seq_len", "device", "tp", "pp", "dp", "micro_batch", "global_batch", "recompute",
                 "zero", "status")
 CSV_OPTIONAL = ("gpus_per_node", "nodes", "schedule", "virtual_stages", "sequence_parallel", "dtype", "stack",
@@ -228,17 +232,27 @@ def _predict_time(d: _Decomposed, scale: float, launch: float, overhead: float) 
 
 
 def _fit_time(ds: list[_Decomposed]) -> tuple[float, float, float]:
-    """(compute scale, launch seconds, step overhead seconds) minimising squared log error."""
+    """(compute scale, launch seconds, step overhead seconds) minimising squared log error;
+    with fewer than FULL_FIT_RUNS runs the launch cost stays at the device's default."""
     from scipy.optimize import least_squares
 
     meas = np.array([d.run.step_time_s for d in ds])
+    default_launch = _default_launch(ds[0].device)
+    full = len(ds) >= FULL_FIT_RUNS
+
+    def unpack(x):
+        return np.exp(x[0]), (x[2] * 1e-6 if full else default_launch), x[1] * 1e-3
 
     def resid(x):
-        scale, launch, overhead = np.exp(x[0]), x[1] * 1e-6, x[2] * 1e-3
+        scale, launch, overhead = unpack(x)
         return np.log(np.array([_predict_time(d, scale, launch, overhead) for d in ds]) / meas)
 
-    fit = least_squares(resid, x0=[0.0, 10.0, 1.0], bounds=([-5.0, 0.0, 0.0], [5.0, 1e5, 1e5]))
-    return float(np.exp(fit.x[0])), float(fit.x[1] * 1e-6), float(fit.x[2] * 1e-3)
+    x0 = [0.0, 1.0] + ([default_launch * 1e6] if full else [])
+    lo = [-5.0, 0.0] + ([0.0] if full else [])
+    hi = [5.0, 1e5] + ([1e5] if full else [])
+    fit = least_squares(resid, x0=x0, bounds=(lo, hi))
+    scale, launch, overhead = unpack(fit.x)
+    return float(scale), float(launch), float(overhead)
 
 
 def _fit_memory(ds: list[_Decomposed]) -> tuple[float, float]:

@@ -71,6 +71,10 @@ class Stack:
     optimizer_traffic_bytes_per_param: float = 42.0
     """Memory traffic of one optimizer step per local parameter, gradient-norm and clipping
     passes included (bandwidth-bound: it sets the step's time)."""
+    activation_scale: float = 1.0
+    """Saved activations of the stack's own model code over the zoo's measured ones (1 where
+    the zoo's layers save what the stack's layers save; fitted, with the data named in
+    ``sources``, where the stack's code keeps more)."""
     loss_saved_bytes_per_logit: float = 4.0
     """Bytes per logit element the loss keeps from forward to backward (an fp32 softmax or
     log-softmax = 4; a fused cross entropy keeps almost none)."""

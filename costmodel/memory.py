@@ -26,10 +26,13 @@ class ModelStateBytes:
     """Static bytes on one rank."""
 
     weights: float
-    """Persistent weights, plus what ZeRO-3 gathers and half-precision casts of fp32 weights."""
+    """Persistent weights, plus the units ZeRO-3 gathers."""
     gradients: float
     optimizer: float
     """Master weights and optimizer moments."""
+    casts: float = 0.0
+    """Half-precision copies of fp32 weights the forward and backward read (autocast's, or
+    FSDP's unsharded compute copy): alive during forward/backward, gone at the optimizer step."""
 
     @property
     def total(self) -> float:
@@ -82,15 +85,15 @@ def model_state_bytes(layers: Sequence[LayerSpec], tp: int, dp: int, zero: int, 
         # FSDP / ZeRO-3 gathers one unit at a time and prefetches the next.
         biggest = max(l.params.at(tp) for l in layers)
         weights += 2 * biggest * stack.gathered_weights_bytes_per_param
-    elif stack.weight_cast_bytes_per_param:
+    casts = 0.0
+    if stack.weight_cast_bytes_per_param and not (zero >= 3 and dp > 1):
         # Half-precision copies of fp32 weights that the matmuls read (autocast, or FSDP's
         # unsharded compute copy); embedding tables are looked up, not cast.
-        cast = sum(l.params.at(tp) for l in layers if l.kind != "embedding")
-        weights += cast * stack.weight_cast_bytes_per_param
+        casts = sum(l.params.at(tp) for l in layers if l.kind != "embedding") * stack.weight_cast_bytes_per_param
     grads = params * stack.gradient_bytes_per_param / (dp if zero >= 2 else 1)
     optim = params * (stack.master_weights_bytes_per_param + stack.optimizer_bytes_per_param) / (
         dp if zero >= 1 else 1)
-    return ModelStateBytes(weights, grads, optim)
+    return ModelStateBytes(weights, grads, optim, casts)
 
 
 def logits_per_sample(layer: LayerSpec, dtype: str) -> float:
@@ -112,7 +115,8 @@ def activation_bytes(layers: Sequence[LayerSpec], recompute: str, micro_batch: i
     stack: the loss's saved logits on the stage that holds the head)."""
     saved = sum(l.activation_bytes[recompute].at(tp, sequence_parallel) for l in layers)
     if stack is not None:
-        saved += sum(loss_logits(l, tp, dtype, stack) for l in layers) * stack.loss_saved_bytes_per_logit
+        saved = saved * stack.activation_scale + sum(
+            loss_logits(l, tp, dtype, stack) for l in layers) * stack.loss_saved_bytes_per_logit
     return micro_batch * saved
 
 
@@ -123,8 +127,9 @@ def transient_bytes(layers: Sequence[LayerSpec], recompute: str, micro_batch: in
     every backward holds the gradients of its output and input; the loss's backward holds
     its gradient buffers over the logits (with a stack)."""
     worst = 0.0
+    scale = stack.activation_scale if stack is not None else 1.0
     for l in layers:
-        rebuilt = l.activation_bytes["none"].at(tp, sequence_parallel) if recompute == "full" else 0.0
+        rebuilt = l.activation_bytes["none"].at(tp, sequence_parallel) * scale if recompute == "full" else 0.0
         grads = 2 * l.output_bytes if l.kind != "head" else 0.0
         if stack is not None and l.kind == "head":
             extra = stack.loss_peak_bytes_per_logit - stack.loss_saved_bytes_per_logit
@@ -141,12 +146,14 @@ def optimizer_step_bytes(layers: Sequence[LayerSpec], tp: int, dp: int, zero: in
 
 def group_memory(states: ModelStateBytes, in_flight: float, backward_transient: float, step_bytes: float,
                  communicators: int, dp: int, stack: Stack, accelerator: bool) -> GroupMemory:
-    """The peak of one rank, by component: the forward/backward peak (activations in flight
-    plus the largest backward working set) or the optimizer step's temporaries, whichever
-    is larger, on top of the model states."""
-    dynamic = max(in_flight + backward_transient, step_bytes)
-    return GroupMemory(weights=states.weights, gradients=states.gradients, optimizer=states.optimizer,
-                       activations=in_flight, transient=dynamic - in_flight,
+    """The peak of one rank, by component: the forward/backward peak (activations in flight,
+    the largest backward working set and the weights' half-precision casts) or the optimizer
+    step's temporaries, whichever is larger, on top of the model states."""
+    compute_phase = in_flight + backward_transient + states.casts
+    dynamic = max(compute_phase, step_bytes)
+    casts = states.casts if compute_phase >= step_bytes else 0.0
+    return GroupMemory(weights=states.weights + casts, gradients=states.gradients, optimizer=states.optimizer,
+                       activations=in_flight, transient=dynamic - in_flight - casts,
                        buffers=stack.dp_buffer_bytes if dp > 1 and accelerator else 0.0,
                        nccl=communicators * stack.nccl_bytes_per_group if accelerator else 0.0,
                        context=stack.cuda_context_bytes if accelerator else 0.0,

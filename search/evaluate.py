@@ -174,11 +174,11 @@ def group_memory(tables: Tables, sk: Skeleton, st: Setting, figs: Sequence[Stage
     for g in range(P):
         mine = figs[g::P]
         params = sum(f.params for f in mine)
-        states = tables.state_bytes(params, max(f.max_params for f in mine), sk.dp, st.zero,
-                                    sum(f.cast_params for f in mine))
+        states = tables.state_bytes(params, max(f.max_params for f in mine), sk.dp, st.zero)
+        casts = tables.cast_bytes(sum(f.cast_params for f in mine), sk.dp, st.zero)
         act = fl.peak_bytes(g, [f.activation for f in mine])
         trans = max(f.transient for f in mine)
-        out.append(float(tables.memory_total(states, act, trans, tables.step_bytes(params, sk.dp, st.zero),
+        out.append(float(tables.memory_total(states, act, trans + casts, tables.step_bytes(params, sk.dp, st.zero),
                                              tables.fixed_bytes(sk.kinds[g].pool, sk.groups[g], P))))
     return out
 

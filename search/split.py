@@ -112,8 +112,8 @@ class Splitter:
         dyn = self.tables.dynamic_factor
         params = t.cum_params[None, :] - t.cum_params[:, None]
         cast = t.cum_cast_params[None, :] - t.cum_cast_params[:, None]
-        states = self.tables.state_bytes(params, t.max_params, group.dp, st.zero, cast)
-        base = states[None] + dyn * t.max_transient
+        states = self.tables.state_bytes(params, t.max_params, group.dp, st.zero)
+        base = states[None] + dyn * (t.max_transient + self.tables.cast_bytes(cast, group.dp, st.zero)[None])
         act = dyn * (t.cum_activation[:, None, :] - t.cum_activation[:, :, None])
         self._mem[key] = (base, act)
         return base, act
@@ -245,7 +245,8 @@ class Splitter:
             t = self.tables.table(kind, st.micro_batch, st.sequence_parallel)
             params = t.cum_params[None, :] - t.cum_params[:, None]
             cast = t.cum_cast_params[None, :] - t.cum_cast_params[:, None]
-            states = self.tables.state_bytes(params, t.max_params, group.dp, st.zero, cast)
+            states = self.tables.state_bytes(params, t.max_params, group.dp, st.zero) \
+                + self.tables.dynamic_factor * self.tables.cast_bytes(cast, group.dp, st.zero)
             act = self.tables.dynamic_factor * (t.cum_activation[:, None, :] - t.cum_activation[:, :, None])
             hit = self._mem[key] = (np.broadcast_to(states, act.shape), act)
         return hit

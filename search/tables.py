@@ -211,18 +211,21 @@ class Tables:
                           sources=frozenset(sources))
 
     # ------------------------------------------------------------ states
-    def state_bytes(self, params: float | np.ndarray, max_params: float | np.ndarray, dp: int,
-                    zero: int, cast_params: float | np.ndarray = 0.0):
-        """Weights + gradients + optimizer states (+ ZeRO-3 working set, + half-precision
-        casts of ``cast_params``) per GPU, as ``costmodel.memory.model_state_bytes`` counts
-        them under the tables' stack. With ``cast_params`` = 0 it is a lower bound."""
+    def state_bytes(self, params: float | np.ndarray, max_params: float | np.ndarray, dp: int, zero: int):
+        """Weights + gradients + optimizer states (+ the ZeRO-3 working set) per GPU, as
+        ``costmodel.memory.model_state_bytes`` counts them under the tables' stack."""
         stack = self.stack
         total = params * stack.state_bytes_per_param(dp, zero)
         if zero >= 3 and dp > 1:
             total = total + 2 * max_params * stack.gathered_weights_bytes_per_param
-        elif stack.weight_cast_bytes_per_param:
-            total = total + cast_params * stack.weight_cast_bytes_per_param
         return total
+
+    def cast_bytes(self, cast_params: float | np.ndarray, dp: int, zero: int):
+        """Half-precision casts of fp32 weights held through forward and backward
+        (``ModelStateBytes.casts``); part of the dynamic working set."""
+        if zero >= 3 and dp > 1:
+            return 0.0 * cast_params
+        return cast_params * self.stack.weight_cast_bytes_per_param
 
     def step_bytes(self, params: float | np.ndarray, dp: int, zero: int):
         """Optimizer-step temporaries per GPU (``costmodel.memory.optimizer_step_bytes``)."""

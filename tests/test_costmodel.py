@@ -14,7 +14,8 @@ def _est(pp, m, schedule="1f1b", v=1, blocks=24, dp=1, tp=1, zero=0, **kw):
     cluster = ideal_cluster(pp * dp * tp)
     plan = autoplan.Plan.uniform(model, cluster, tp=tp, pp=pp, dp=dp, micro_batch=1, global_batch=m * dp,
                                  schedule=schedule, virtual_stages=v, zero=zero)
-    return autoplan.estimate(model, cluster, plan), plan
+    # Megatron-Core: activations as measured (the autoplan stack scales them for autocast).
+    return autoplan.estimate(model, cluster, plan, stack="megatron-core"), plan
 
 
 @pytest.mark.parametrize("pp,m", [(2, 4), (4, 8), (4, 16), (8, 8), (3, 12)], ids=lambda x: str(x))

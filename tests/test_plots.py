@@ -86,11 +86,11 @@ MIXED = Cluster.load("examples/clusters/mixed-three-types.json")  # 32 H100, 16 
 
 MEMORY = {
     "homogeneous-fits": dict(cluster=A100x8, name="gpt3-350m", kw=dict(tp=1, pp=2, dp=4, global_batch=16),
-                             capacities=[80, 80], fits=True),
+                             capacities=[79, 79], fits=True),   # usable GiB of an A100 80GB
     "mixed-capacity-per-group": dict(cluster=MIXED, name="gpt3-350m", kw=dict(tp=1, pp=4, dp=16, global_batch=64),
-                                     capacities=[80, 80, 40, 24], fits=True),
+                                     capacities=[79, 79, 40, 24], fits=True),
     "too-big-does-not-fit": dict(cluster=A100x8, name="gpt3-6.7b", kw=dict(tp=1, pp=1, dp=8, global_batch=16),
-                                 capacities=[80], fits=False),
+                                 capacities=[79], fits=False),
 }
 
 

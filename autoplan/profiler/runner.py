@@ -132,14 +132,17 @@ def _need_bytes(spec, tp: int, mb: int, dtype: str) -> float:
     (an embedding's is a dense table-sized tensor), the fp32 copy initialisation makes
     before casting, what the forward saves and about as much again in backward's
     temporaries, the input and output and their gradients, and the costliest transient
-    of its backward (a head's logits gradient)."""
+    of its backward (a head's logits gradient, as autoplan's own loss keeps them)."""
+    from autoplan.stacks import get_stack
     from costmodel.memory import transient_bytes
     params = spec.params.at(tp)
     w = DTYPE_BYTES[dtype]
     init_copy = params * 4 if dtype != "fp32" else 0.0
     acts = mb * (2 * spec.activation_bytes["none"].at(tp) + 2 * spec.activation_bytes["full"].at(tp)
                  + 2 * spec.output_bytes)
-    return 3 * params * w + init_copy + acts + transient_bytes([spec], "none", mb, tp, False)
+    # A shard is measured standalone: its loss runs on the shard's own logits.
+    shard_loss = dataclasses.replace(get_stack("autoplan"), vocab_parallel_loss=True)
+    return 3 * params * w + init_copy + acts + transient_bytes([spec], "none", mb, tp, False, shard_loss, dtype)
 
 
 def plan_tasks(models: Iterable, device_spec, dtype: str, tp: Sequence[int], micro_batches: Sequence[int],

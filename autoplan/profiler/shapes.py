@@ -91,7 +91,9 @@ def shape_key(layer: LayerSpec) -> ShapeKey:
         # largest position, not by the positions a step looks up: leave it out.
         "params": [None if layer.kind == "embedding" else _round(layer.params.replicated),
                    _round(layer.params.sharded)],
-        "output_per_token": per_token(layer.output_bytes),
+        # A head's output is its logits, which its GEMM shapes already fix (and which specs
+        # measured before the loss moved to the training stack recorded as 0).
+        "output_per_token": per_token(layer.output_bytes if layer.kind != "head" else 0.0),
         "input_per_token": per_token(layer.activation_bytes.full.replicated),
         # Fused attention at equal widths still differs by head count (more, narrower heads),
         # which only what autograd keeps shows: FlashAttention saves a log-sum-exp row per
