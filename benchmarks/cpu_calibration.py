@@ -1,7 +1,8 @@
 """Predict -> measure -> calibrate on the only hardware CI has: CPU ranks on gloo.
 
-Runs a set of plans of a tiny model with ``autoplan run`` (real training across
-processes), then:
+Runs a set of plans of a tiny model with ``autoplan run`` on one CPU rank (real
+training, timed by the training thread's CPU time so other jobs on the machine do not
+distort it), then:
 
 1. compares the uncalibrated cost model with what was measured;
 2. fits a calibration (``autoplan calibrate``) on the *fitting* plans and predicts the
@@ -10,8 +11,7 @@ processes), then:
 
 Writes ``<out>/cpu_calibration.md``, the run records and the calibration.
 
-    python benchmarks/cpu_calibration.py                       # 8 plans, gpt-tiny, 2 ranks
-    python benchmarks/cpu_calibration.py --plans 4 --steps 4   # quicker
+    python benchmarks/cpu_calibration.py            # 8 plans of gpt-tiny on one CPU rank
 """
 from __future__ import annotations
 
@@ -30,33 +30,33 @@ from autoplan import models  # noqa: E402
 from autoplan.cluster import Cluster  # noqa: E402
 from autoplan.plan import Plan  # noqa: E402
 
-CPU_CLUSTER = ROOT / "examples" / "clusters" / "cpu-4ranks.json"
+ONE_RANK = Cluster.homogeneous("CPU", 1, 1)
 
 PLANS = [
-    # name, ranks, plan keywords; alternating into the fitting and the held-out set
-    ("dp2-mb2", dict(tp=1, pp=1, dp=2, micro_batch=2, global_batch=8)),
-    ("tp2-mb4", dict(tp=2, pp=1, dp=1, micro_batch=4, global_batch=8)),
-    ("pp2-1f1b-mb2", dict(tp=1, pp=2, dp=1, micro_batch=2, global_batch=8, schedule="1f1b")),
-    ("dp2-mb4", dict(tp=1, pp=1, dp=2, micro_batch=4, global_batch=16)),
-    ("pp2-gpipe-mb4", dict(tp=1, pp=2, dp=1, micro_batch=4, global_batch=16, schedule="gpipe")),
-    ("tp2-mb2", dict(tp=2, pp=1, dp=1, micro_batch=2, global_batch=4)),
-    ("dp2-zero3-mb2", dict(tp=1, pp=1, dp=2, micro_batch=2, global_batch=8, zero=3)),
-    ("pp2-1f1b-mb4", dict(tp=1, pp=2, dp=1, micro_batch=4, global_batch=16, schedule="1f1b")),
+    # name, plan keywords; the first FIT fit the calibration, the rest are held out
+    ("mb2x2", dict(micro_batch=2, global_batch=4)),
+    ("mb8x2", dict(micro_batch=8, global_batch=16)),
+    ("mb4x4-full", dict(micro_batch=4, global_batch=16, recompute="full")),
+    ("mb2x8", dict(micro_batch=2, global_batch=16)),
+    ("mb4x2", dict(micro_batch=4, global_batch=8)),
+    ("mb8x1-full", dict(micro_batch=8, global_batch=8, recompute="full")),
+    ("mb16x2", dict(micro_batch=16, global_batch=32)),
+    ("mb4x4-selective", dict(micro_batch=4, global_batch=16, recompute="selective")),
 ]
+FIT = 4
 
 
-def run_plans(model: str, seq_len: int, steps: int, names: list[str], out: Path) -> list[Path]:
-    cluster = Cluster.load(CPU_CLUSTER)
+def run_plans(model: str, seq_len: int, steps: int, out: Path) -> list[Path]:
+    """Each plan trained by `autoplan run` on one CPU rank, timed by the training thread's
+    CPU time (so other jobs on the machine do not distort the figures)."""
     spec = models.get(model, dtype="fp32", seq_len=seq_len)
     records = []
     for name, kw in PLANS:
-        if name not in names:
-            continue
-        plan = Plan.uniform(spec, cluster, dtype="fp32", **kw)
+        plan = Plan.uniform(spec, ONE_RANK, tp=1, pp=1, dp=1, dtype="fp32", **kw)
         plan_path, record = out / f"plan-{name}.json", out / f"run-{name}.json"
         plan.save(plan_path)
         cmd = [sys.executable, "-m", "autoplan", "run", str(plan_path), "--model", model, "--seq-len", str(seq_len),
-               "--steps", str(steps), "--out", str(record), "--no-resume", "--log-every", "0"]
+               "--steps", str(steps), "--out", str(record), "--no-resume", "--log-every", "0", "--clock", "thread"]
         t0 = time.monotonic()
         done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
         if not record.exists():
@@ -70,15 +70,13 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="gpt-tiny")
     p.add_argument("--seq-len", type=int, default=64)
-    p.add_argument("--steps", type=int, default=6)
-    p.add_argument("--plans", type=int, default=len(PLANS), help="how many of the plans to run (in order)")
+    p.add_argument("--steps", type=int, default=8)
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "cpu_calibration"))
     args = p.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    names = [n for n, _ in PLANS[:args.plans]]
     t0 = time.monotonic()
-    records = run_plans(args.model, args.seq_len, args.steps, names, out)
+    records = run_plans(args.model, args.seq_len, args.steps, out)
     report = evaluate(records, out)
     report += f"\n({len(records)} plans measured and calibrated in {time.monotonic() - t0:.0f} s; command: " \
               f"`python benchmarks/cpu_calibration.py {' '.join(sys.argv[1:] if argv is None else argv)}`)\n"
@@ -95,14 +93,14 @@ def evaluate(records: list[Path], out: Path) -> str:
     from costmodel import estimate
 
     runs = runs_from_records(records)
-    fitting, held_out = runs[0::2], runs[1::2]
+    fitting, held_out = runs[:FIT], runs[FIT:]
     cal, _ = calibrate(fitting)
     cal.save(out / "calibration-fitting-half.json")
     full, loo_rows = calibrate(runs)
     full.save(out / "calibration.json")
     lines = ["# Cost model on CPU ranks: predicted, measured and calibrated", "",
-             f"Plans of a tiny model trained with `autoplan run` (gloo, fp32) on this machine. The calibration "
-             f"is fitted on the *fitting* plans only and predicts the *held-out* ones.", "",
+             "Plans of a tiny model trained with `autoplan run --clock thread` (one CPU rank, fp32) on this machine. "
+             "The calibration is fitted on the *fitting* plans only and predicts the *held-out* ones.", "",
              "| plan | set | measured s | uncalibrated s | ratio | calibrated s | error |", "|---|---|---:|---:|---:|---:|---:|"]
     errors = []
     for r in runs:

@@ -100,7 +100,7 @@ def torchrun_command(args, plan) -> list[str]:
             "--lr", repr(args.lr), "--weight-decay", repr(args.weight_decay),
             "--max-grad-norm", repr(args.max_grad_norm), "--seed", str(args.seed),
             "--checkpoint-every", str(args.checkpoint_every), "--log-every", str(args.log_every),
-            "--backend", args.backend]
+            "--backend", args.backend, "--clock", args.clock]
     if args.checkpoint_dir:
         cmd += ["--checkpoint-dir", args.checkpoint_dir]
     if args.no_resume:
@@ -118,6 +118,10 @@ def run(args) -> int:
     # The workers import autoplan from the same place this process did, installed or not.
     root = str(Path(__file__).resolve().parents[2])
     env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    if args.clock == "thread":
+        # One OpenMP thread from the start: a thread's CPU time is the step's work only
+        # when no other thread shares it.
+        env["OMP_NUM_THREADS"] = "1"
     if args.out and os.path.exists(args.out):
         os.remove(args.out)   # so a failed run cannot leave a stale record looking fresh
     rc = subprocess.call(cmd, env=env)

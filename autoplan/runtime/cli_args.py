@@ -18,6 +18,9 @@ def add_training_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--checkpoint-every", type=int, default=0, help="checkpoint every K steps (default: at the end)")
     p.add_argument("--no-resume", action="store_true", help="ignore existing checkpoints in --checkpoint-dir")
     p.add_argument("--log-every", type=int, default=1, help="log every K steps (default 1)")
+    p.add_argument("--clock", choices=("wall", "thread"), default="wall",
+                   help="time steps by elapsed time, or by the training thread's CPU time (a CPU rank with one "
+                        "thread; immune to other jobs on the machine)")
     p.add_argument("--backend", choices=("auto", "nccl", "gloo"), default="auto",
                    help="process-group backend (default: nccl when CUDA is available, else gloo)")
 
@@ -26,4 +29,4 @@ def training_options(args: argparse.Namespace) -> dict:
     return dict(steps=args.steps, seq_len=args.seq_len, optimizer=args.optimizer, lr=args.lr,
                 weight_decay=args.weight_decay, max_grad_norm=args.max_grad_norm, seed=args.seed,
                 checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
-                resume=not args.no_resume, log_every=args.log_every)
+                resume=not args.no_resume, log_every=args.log_every, clock=args.clock)

@@ -41,6 +41,7 @@ from autoplan.runtime.record import (MEMORY_SOURCE_CPU, MEMORY_SOURCE_CUDA, Rank
 from autoplan.schedule import build_program
 
 OPTIMIZERS = ("adamw", "sgd")
+CLOCKS = ("wall", "thread")
 
 
 @dataclass(frozen=True)
@@ -75,6 +76,11 @@ class TrainOptions:
     """Continue from the latest checkpoint in checkpoint_dir, if there is one."""
     log_every: int = 1
     """Print a log line every this many steps on rank 0 (0 = never)."""
+    clock: str = "wall"
+    """How a step is timed: 'wall' (elapsed time) or 'thread' (CPU time of the training
+    thread: on a CPU rank with one torch thread every kernel and the autograd engine run on
+    that thread, so other jobs sharing the machine do not inflate the figure; it leaves out
+    time spent waiting for other ranks)."""
 
     def validate(self) -> "TrainOptions":
         """The one place these settings are checked."""
@@ -83,6 +89,8 @@ class TrainOptions:
             minimum = 1 if name == "steps" else 0
             if not isinstance(v, int) or isinstance(v, bool) or v < minimum:
                 raise ConfigError(name, f"must be an integer >= {minimum}, got {v!r}")
+        if self.clock not in CLOCKS:
+            raise ConfigError("clock", f"{self.clock!r} is not one of {list(CLOCKS)}")
         if self.optimizer not in OPTIMIZERS:
             raise ConfigError("optimizer", f"{self.optimizer!r} is not one of {list(OPTIMIZERS)}")
         for name in ("lr", "weight_decay", "eps", "momentum", "max_grad_norm"):
@@ -278,6 +286,14 @@ class Trainer:
                                foreach=foreach)
 
     # ------------------------------------------------------------------ a step
+    def _now(self) -> float:
+        if self.options.clock == "thread":
+            if self.device.type != "cpu" or torch.get_num_threads() != 1:
+                raise ConfigError("clock", "'thread' times only a CPU rank with one torch thread",
+                                  "use clock='wall' (or torch.set_num_threads(1) on CPU)")
+            return time.thread_time()
+        return time.perf_counter()
+
     def forward_backward(self) -> tuple[list[float], float]:
         """Run the next step's schedule program; leaves gradients in place.
         Returns (this rank's micro-batch losses, seconds spent)."""
@@ -356,16 +372,17 @@ class Trainer:
         """One full step; collective. Returns the step's figures (identical on all ranks).
         ``inspect(trainer)`` is called between backward and the optimizer step (e.g. to
         read :meth:`gradients`); its time is not counted."""
-        t0 = time.perf_counter()
+        now = self._now
+        t0 = now()
         losses, _ = self.forward_backward()
         if inspect is not None:
-            t_in = time.perf_counter()
+            t_in = now()
             inspect(self)
-            t0 += time.perf_counter() - t_in
+            t0 += now() - t_in
         norm = self.optimizer_step()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        elapsed = time.perf_counter() - t0
+        elapsed = now() - t0
         lay = self.layout
         # The last pipeline rank holds the losses; tp ranks hold copies, dp replicas parts.
         contrib = sum(losses) / len(losses) / lay.dp if losses and lay.tp_rank == 0 else 0.0
@@ -495,7 +512,7 @@ class Trainer:
             "compute_dtype": str(self.compute_dtype or torch.float32).replace("torch.", ""),
             "mixed_precision": ("FSDP MixedPrecisionPolicy" if self.compute_dtype and self.dp_choice.wrapper != "none"
                                 else "autocast" if self.compute_dtype else "none (fp32)"),
-            "data_parallel": self.dp_choice.note,
+            "data_parallel": self.dp_choice.note, "clock": o.clock,
             "schedule_program": self.program.to_compute_only(),
             "checkpoint_dir": o.checkpoint_dir,
         }

@@ -37,6 +37,9 @@ def main(argv: list[str] | None = None) -> int:
     add_training_args(p)
     args = p.parse_args(argv)
     backend = pick_backend(args.backend)
+    if args.clock == "thread":
+        # Thread CPU time covers a step only when every kernel runs on the training thread.
+        torch.set_num_threads(1)
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group(backend, timeout=timedelta(seconds=PROCESS_GROUP_TIMEOUT_S))
