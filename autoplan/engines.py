@@ -47,8 +47,6 @@ class Engine:
     """Human name, e.g. 'Megatron-LM'."""
     version: str
     """The release (or commit) these capabilities were read from."""
-    stack: str
-    """Training stack whose figures the cost model uses for this engine (see the stacks data)."""
     tensor_parallel: bool = True
     """Tensor parallelism can be set in the engine's configuration."""
     uniform_tp: bool = True
@@ -85,7 +83,14 @@ class Engine:
     """Model families (TransformerConfig.arch) it builds; empty: any model."""
     presets: dict | None = None
     """Zoo presets it ships as named models (name -> its own model name); None: it takes
-    the model's shapes as settings."""
+    the model's shapes as settings. Other models need the user's own model definition, to
+    which the export applies the plan."""
+
+    @property
+    def stack(self) -> str:
+        """Training stack the cost model assumes for this engine (autoplan.stacks.TARGET_STACKS)."""
+        from autoplan.stacks import TARGET_STACKS
+        return TARGET_STACKS[self.name]
 
     # ------------------------------------------------------------------ search
     def constraints(self) -> dict:
@@ -118,17 +123,17 @@ TORCHTITAN_PRESETS = {"llama3-8b": ("llama3", "8B"), "llama3-70b": ("llama3", "7
 """Zoo presets torchtitan ships (module/name, flavor), checked against its model registry."""
 
 ENGINES: dict[str, Engine] = {e.name: e for e in (
-    Engine(name="autoplan", title="autoplan", version="this package", stack="autoplan"),
+    Engine(name="autoplan", title="autoplan", version="this package"),
     Engine(name="megatron", title="Megatron-LM", version=f"main @ {MEGATRON_COMMIT[:7]} (2026-08-22)",
-           stack="megatron-core", schedules=("1f1b", "interleaved-1f1b"), zero=(0, 1, 3),
+           schedules=("1f1b", "interleaved-1f1b"), zero=(0, 1, 3),
            zero_with_pipeline=(0, 1), zero3_excludes_fp16=True, zero3_needs_untied=True,
            interleave_needs_multiple=True, models=("gpt", "llama", "moe", "bert")),
-    Engine(name="deepspeed", title="DeepSpeed", version="0.19.8", stack="deepspeed", tensor_parallel=False,
+    Engine(name="deepspeed", title="DeepSpeed", version="0.19.8", tensor_parallel=False,
            schedules=("1f1b",), zero=(0, 1, 2, 3), zero_with_pipeline=(0, 1), recompute=("none", "full"),
            split="uniform-units"),
     Engine(name="torchtitan", title="torchtitan", version="0.3.0 (0.2.2 with --engine-version 0.2)",
-           stack="torchtitan", zero=(0, 3), zero_with_pipeline=(0, 3), dtypes=("bf16", "fp32"),
-           microbatch_rules=True, models=("llama",), presets=TORCHTITAN_PRESETS),
+           zero=(0, 3), zero_with_pipeline=(0, 3), dtypes=("bf16", "fp32"),
+           microbatch_rules=True, models=("llama", "moe"), presets=TORCHTITAN_PRESETS),
 )}
 """Every engine by name."""
 
@@ -277,10 +282,6 @@ def _model_violation(plan: Plan, e: Engine, model: "ModelSpec") -> ConfigError |
     if e.name == "megatron" and cfg.arch == "bert" and plan.pp > 1 and not megatron_default_split(plan, model):
         return ConfigError("stages", f"{e.title}'s pipeline layout flag does not cover BERT's encoder, which it "
                            "splits evenly", "nearest: the same plan with the blocks split evenly")
-    if e.presets is not None and preset_name(model, e) is None:
-        return ConfigError("model", f"{e.title} ships no model with {model.name}'s shapes "
-                           f"(it ships {', '.join(sorted(e.presets))})",
-                           "export without --model and give the engine your model definition")
     return None
 
 
@@ -307,9 +308,11 @@ def preset_name(model: "ModelSpec", engine: Engine):
     from autoplan.models.presets import PRESETS, get_config
     if engine.presets is None or model.name not in engine.presets or model.name not in PRESETS:
         return None
-    same = dataclasses.replace(model.config, seq_len=get_config(model.name).seq_len, max_positions=None,
-                               name=model.name).resolved()
-    return engine.presets[model.name] if same == get_config(model.name) else None
+    preset = get_config(model.name)
+    # Sequence length and kernel choices (the stack's attention kernel and norm) are not the model.
+    same = dataclasses.replace(model.config, seq_len=preset.seq_len, max_positions=None, name=model.name,
+                               attention=preset.attention, fused_norm=preset.fused_norm).resolved()
+    return engine.presets[model.name] if same == preset else None
 
 
 def _tied(model: "ModelSpec") -> bool:

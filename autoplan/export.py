@@ -461,8 +461,10 @@ def to_torchtitan_toml(plan: Plan, model: "ModelSpec | None" = None, cluster: "C
     sections: dict = {"job": {"description": f"autoplan plan: {plan.describe()}"}}
     if s["model"] is not None:
         sections["model"] = {"name": s["model"][0], "flavor": s["model"][1]}
-    else:
-        comments[("training", "seq_len")] = "set [model] name and flavor to your model (torchtitan TrainSpec)"
+    elif model is not None:
+        sections["model"] = {"name": model.name, "flavor": "custom"}
+        comments[("model", "name")] = (f"torchtitan ships no model with {model.name}'s shapes: register a "
+                                       "TrainSpec with this name and flavor")
     sections["training"] = s["training"]
     sections["parallelism"] = s["parallelism"]
     ac: dict = {"mode": s["recompute"]}
@@ -487,6 +489,9 @@ def to_torchtitan_python(plan: Plan, model: "ModelSpec | None" = None, cluster: 
     s = torchtitan_settings(plan, model, "0.3")
     notes, comments = _dtype_note(original or plan, plan) + s["_notes"], s["_comments"]
     preset = s["model"]
+    if preset is None and model is not None:
+        notes.append(f"torchtitan ships no model with {model.name}'s shapes: call apply_autoplan(config) at the "
+                     "end of the config function of your own model")
     run = ("    torchrun --nproc-per-node <gpus per node> --nnodes <nodes> -m torchtitan.train \\\n"
            "        --module <name> --config autoplan_plan")
     lines = ['"""torchtitan 0.3 job config exported by autoplan.', "",
