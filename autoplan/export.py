@@ -280,9 +280,8 @@ def _megatron_model_args(plan: Plan, model: "ModelSpec", notes: list[str]) -> li
             out.append("--add-qkv-bias")
     if not cfg.tie_embeddings:
         out.append("--untie-embeddings-and-output-weights")
-    if cfg.arch in ("llama", "moe"):
-        # Llama and Mixtral train without dropout (Megatron-LM's default is 0.1).
-        out += ["--attention-dropout", "0.0", "--hidden-dropout", "0.0"]
+    # The model's own dropout (Megatron-LM's default is 0.1; Llama and Mixtral train without).
+    out += ["--attention-dropout", repr(float(cfg.dropout)), "--hidden-dropout", repr(float(cfg.dropout))]
     if cfg.arch == "moe":
         out += ["--num-experts", str(cfg.num_experts), "--moe-router-topk", str(cfg.top_k),
                 "--moe-ffn-hidden-size", str(cfg.ffn_hidden)]

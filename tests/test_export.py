@@ -186,7 +186,7 @@ MODEL_FLAG_CASES = {
     "gpt-tied-layernorm": (lambda: model("gpt-tiny", 8), dict(
         group_query_attention=False, normalization="LayerNorm", swiglu=False, add_bias_linear=True,
         position_embedding_type="learned_absolute", untie_embeddings_and_output_weights=False,
-        attention_dropout=0.1)),
+        attention_dropout=0.0, hidden_dropout=0.0)),
     "mixtral-experts": (lambda: model("mixtral-8x7b"), dict(num_experts=8, moe_router_topk=2, moe_ffn_hidden_size=14336,
                                                           rotary_base=1000000, use_rope_scaling=False)),
     "qkv-bias-only": (lambda: autoplan.models.get(QWEN_LIKE), dict(add_bias_linear=False, add_qkv_bias=True,
@@ -461,3 +461,21 @@ def test_cli_writes_file_and_reports_refusal(tmp_path, capsys):
     assert parse_args(argv).tensor_model_parallel_size == 2 and env == {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}
     assert cli_main(["export", str(path), "--to", "deepspeed"]) == 2
     assert "nearest" in capsys.readouterr().err
+
+
+def test_cli_search_for_an_engine_then_export(tmp_path, capsys):
+    plan_path, job = tmp_path / "plan.json", tmp_path / "job.sh"
+    cluster = "examples/clusters/small-mixed-v100-t4.json"
+    assert cli_main(["search", "--cluster", cluster, "--model", "llama-tiny", "--global-batch", "16", "--for",
+                     "megatron", "--no-progress", "--out", str(plan_path)]) == 0
+    out = capsys.readouterr().out
+    assert "stack megatron-core" in out and "Megatron-LM main" in out
+    plan = Plan.load(plan_path)
+    assert plan.dtype == "fp16"   # V100 and T4 have no bf16 units
+    assert cli_main(["export", str(plan_path), "--to", "megatron", "--model", "llama-tiny", "--cluster", cluster,
+                     "--out", str(job)]) == 0
+    argv, env = parse_script(job.read_text())
+    assert parse_args(argv).fp16 and broken_rules(argv, env, world_size=plan.num_gpus) == []
+    assert cli_main(["search", "--cluster", cluster, "--model", "llama-tiny", "--global-batch", "16", "--for",
+                     "deepspeed", "--tp", "2"]) == 2
+    assert "tp: allows only [2], none of which DeepSpeed" in capsys.readouterr().err
