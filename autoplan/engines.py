@@ -68,8 +68,6 @@ class Engine:
     split: str = "any"
     """Layer splits it can give a pipeline: 'any' (an explicit layout), or 'uniform-units'
     (DeepSpeed's ``PipelineModule(partition_method='uniform')`` over the model's units)."""
-    stage_needs_block: bool = False
-    """Every pipeline stage must hold at least one transformer block."""
     zero3_excludes_fp16: bool = False
     """ZeRO-3 is unavailable in fp16 (Megatron-LM's torch FSDP2)."""
     zero3_needs_untied: bool = False
@@ -256,13 +254,6 @@ def violation(plan: Plan, engine: "Engine | str", model: "ModelSpec | None" = No
             return ConfigError("stages", f"{t}'s PipelineModule splits the {want[-1]} units uniformly "
                                f"(boundaries {want}); the plan cuts at {have}",
                                f"nearest: the same plan split at {want}")
-    if pp > 1 and e.stage_needs_block:
-        kinds = _kinds(plan, model)
-        for i, s in enumerate(plan.stages):
-            if "block" not in kinds[s.start:s.end]:
-                return ConfigError(f"stages[{i}]", f"holds no transformer block (units {s.start}..{s.end}); "
-                                   f"{t} puts the embedding with the first block and the head with the last",
-                                   "nearest: the same plan with a block moved into that stage")
     return None
 
 

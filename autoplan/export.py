@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Iterable
 
 from autoplan.engines import (ENGINES, MEGATRON_COMMIT, all_bf16, blocks_per_stage, check, get_engine,
-                              megatron_default_split, partition_uniform, preset_name)
+                              megatron_default_split, preset_name)
 from autoplan.errors import ConfigError
 from autoplan.plan import Plan
 
@@ -375,10 +375,6 @@ def deepspeed_config(plan: Plan, model: "ModelSpec | None" = None) -> tuple[dict
     return cfg, notes
 
 
-def _ds_partition_uniform(num_items: int, num_parts: int) -> list[int]:
-    return partition_uniform(num_items, num_parts)
-
-
 def to_deepspeed(plan: Plan, model: "ModelSpec | None" = None, cluster: "Cluster | None" = None,
                  original: Plan | None = None) -> Exported:
     cfg, notes = deepspeed_config(plan, model)
@@ -444,6 +440,9 @@ def torchtitan_settings(plan: Plan, model: "ModelSpec | None" = None, version: s
         local_batch = plan.micro_batch
     training = {"local_batch_size": local_batch, "global_batch_size": plan.global_batch, "seq_len": seq,
                 "mixed_precision_param": _TORCH_DTYPES[plan.dtype]}
+    if pp > 1 and engine.version.startswith("0.3"):
+        # torchtitan 0.3 refuses CUDA graphs with pipeline parallelism (Trainer.Config validation).
+        training["disable_cuda_graphs"] = True
     note = _placement_note(plan, "torchtitan")
     if note:
         notes.append(note)

@@ -85,7 +85,8 @@ def load_torchtitan(out, plan, workdir: Path, n: int) -> str:
     else:
         config = ConfigManager().parse_args(["--module", "llama3", "--config", "llama3_debugmodel"])
         config = importlib.import_module(module).apply_autoplan(config)
-        how = "applied to torchtitan's llama3 config (it ships no such model)"
+        config.__post_init__()   # Trainer.Config's own validation, on the settings applied
+        how = "applied to torchtitan's llama3 config and validated (it ships no such model)"
     ParallelDims.from_config(config.parallelism, plan.num_gpus)
     get_schedule_class(config.parallelism.pipeline_parallel_schedule)
     return f"{how}; ParallelDims and schedule accepted"

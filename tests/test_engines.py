@@ -160,7 +160,9 @@ def load_torchtitan(tt, text: str, tmp_path, name: str):
         if "def autoplan_plan():" in text:
             return ConfigManager().parse_args(["--module", module, "--config", "autoplan_plan"])
         config = ConfigManager().parse_args(["--module", "llama3", "--config", "llama3_debugmodel"])
-        return importlib.import_module(module).apply_autoplan(config)
+        config = importlib.import_module(module).apply_autoplan(config)
+        config.__post_init__()   # Trainer.Config's own validation, on the settings applied
+        return config
     finally:
         sys.path.remove(str(tmp_path))
 
