@@ -46,15 +46,18 @@ TOLERANCE = 1e-9
 TARGETS = ("megatron", "deepspeed", "torchtitan")
 """Engines the searched plan is also found for (``search --for``), each against its own rule."""
 TARGET_RULES = {
-    "megatron": ("Megatron-LM rule", lambda m, c, gb, dtype: _baselines().megatron(m, c, gb, dtype=dtype)),
+    "megatron": ("Megatron-LM rule", lambda m, c, gb, dtype, stack: _baselines().megatron(m, c, gb, dtype=dtype,
+                                                                                         stack=stack)),
     # DeepSpeed's config expresses the ZeRO-3 recipe (its 3D recipe needs Megatron-DeepSpeed's
     # tensor-parallel model code).
     "deepspeed": ("DeepSpeed ZeRO-3 rule",
-                  lambda m, c, gb, dtype: _baselines().deepspeed(m, c, gb, variant="zero3", dtype=dtype)),
+                  lambda m, c, gb, dtype, stack: _baselines().deepspeed(m, c, gb, variant="zero3", dtype=dtype,
+                                                                        stack=stack)),
     # torchtitan's default layout: FSDP2 over every GPU (data_parallel_shard_degree = -1),
     # the ZeRO-3 recipe's plan.
     "torchtitan": ("torchtitan default (FSDP2 on all GPUs)",
-                   lambda m, c, gb, dtype: _baselines().deepspeed(m, c, gb, variant="zero3", dtype=dtype)),
+                   lambda m, c, gb, dtype, stack: _baselines().deepspeed(m, c, gb, variant="zero3", dtype=dtype,
+                                                                         stack=stack)),
 }
 """Per target engine: (title, rule) of the hand rule a user of that engine would follow."""
 
@@ -371,15 +374,19 @@ def run_targets(model, cluster: Cluster, global_batch: int, targets: Sequence[st
     for t in targets:
         engine = get_engine(t)
         dtype = engine.dtype_for(cluster, model.dtype)
-        m = autoplan.models.get(model.config, dtype=dtype) if model.config is not None else model
+        # The model as the engine's stack runs it, in the engine's dtype; the search and the
+        # rule are both estimated on that stack.
+        m = autoplan.models.for_stack(model.config if model.config is not None else model, engine.stack, dtype)
         title, rule = TARGET_RULES[t]
         try:
-            searched, *_ = run_search(m, cluster, global_batch, 1, {**(options or {}), "target": t})
+            searched, *_ = run_search(m, cluster, global_batch, 1, {**(options or {}), "target": t,
+                                                                    "stack": engine.stack})
         except ConfigError as e:   # the engine does not build this model at all
             log(f"[{name}] --for {t}: {e}")
             out.append((engine, PlanResult(t, error=str(e)), PlanResult(t, error="–"), title))
             continue
-        base = estimate_plan(t, m, cluster, lambda: rule(m, cluster, global_batch, dtype))
+        base = estimate_plan(t, m, cluster, lambda: rule(m, cluster, global_batch, dtype, engine.stack),
+                             stack=engine.stack)
         log(f"[{name}] --for {t}: " + (f"{searched.time:.4g} s/iteration" if searched.time else "no plan")
             + f"; {title}: " + (f"{base.time:.4g} s/iteration, fits={base.fits}" if base.time else "no plan"))
         out.append((engine, searched, base, title))
