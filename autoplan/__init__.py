@@ -50,7 +50,10 @@ def search(model, cluster, global_batch: int, stack=None, calibration=None, **co
     """Find the best plans for ``model`` on ``cluster`` for the training ``stack`` (see
     search.search; ``calibration`` as for :func:`estimate`)."""
     from search import search as _search
-    from autoplan.stacks import get_stack
+    from autoplan.stacks import TARGET_STACKS, get_stack
+    if stack is None:
+        # A search for an engine assumes that engine's stack.
+        stack = TARGET_STACKS.get(constraints.get("target") or "autoplan")
     stack = get_stack(stack)
     return _search(models.for_stack(model, stack), cluster, global_batch, stack=stack,
                    calibration=_calibration(calibration), **constraints)

@@ -73,7 +73,7 @@ def _meshes(gpus: int, tp: int, body_layers: int, global_batch: int):
             yield pp, gpus // (tp * pp)
 
 
-def megatron(model, cluster: Cluster, global_batch: int, stack=None) -> Plan:
+def megatron(model, cluster: Cluster, global_batch: int, stack=None, dtype: str = "bf16") -> Plan:
     """Megatron-LM's published practice.
 
     * Tensor parallelism across the GPUs of a node, up to 8 and dividing the heads
@@ -106,12 +106,13 @@ def megatron(model, cluster: Cluster, global_batch: int, stack=None) -> Plan:
             for recompute in ("none", "selective", "full"):
                 yield Plan.uniform(model, cluster, tp=tp, pp=pp, dp=dp, micro_batch=1, global_batch=global_batch,
                                    schedule=schedule, virtual_stages=v, recompute=recompute,
-                                   sequence_parallel=tp > 1)
+                                   sequence_parallel=tp > 1, dtype=dtype)
 
     return _first_fitting(model, cluster, plans(), f"no Megatron layout of {n} GPUs (tp={tp})", global_batch, stack)
 
 
-def deepspeed(model, cluster: Cluster, global_batch: int, variant: str = "zero3", stack=None) -> Plan:
+def deepspeed(model, cluster: Cluster, global_batch: int, variant: str = "zero3", stack=None,
+              dtype: str = "bf16") -> Plan:
     """DeepSpeed's recipes.
 
     ``variant="zero3"``: ZeRO stage 3 data parallelism over all GPUs (Rajbhandari et al.,
@@ -128,7 +129,8 @@ def deepspeed(model, cluster: Cluster, global_batch: int, variant: str = "zero3"
 
     Uses every GPU (the data-parallel degree is the largest divisor of the global batch
     the GPUs allow). When nothing fits, returns the leanest plan tried. Whether a plan fits
-    is judged on ``stack`` (a training stack name; None: autoplan's)."""
+    is judged on ``stack`` (a training stack name; None: autoplan's). ``dtype``: the training
+    dtype (both rules take it), e.g. fp16 on devices without bf16."""
     model = _check(model, cluster, global_batch)
     n = cluster.num_gpus
     if variant == "zero3":
@@ -137,14 +139,14 @@ def deepspeed(model, cluster: Cluster, global_batch: int, variant: str = "zero3"
         sizes = sorted((b for b in range(1, per_replica + 1) if per_replica % b == 0), reverse=True)
         # The last plan tried (micro-batch 1, full recompute) is the leanest.
         plans = (Plan.uniform(model, cluster, tp=1, pp=1, dp=dp, micro_batch=b, global_batch=global_batch,
-                              recompute=recompute, zero=3)
+                              recompute=recompute, zero=3, dtype=dtype)
                  for recompute in ("none", "full") for b in sizes)
         return _first_fitting(model, cluster, plans, f"no ZeRO-3 layout of {n} GPUs", global_batch, stack)
     if variant == "3d":
         tp = _node_tp(model, cluster)
         body = _body_layers(model)
         plans = (Plan.uniform(model, cluster, tp=tp, pp=pp, dp=dp, micro_batch=1, global_batch=global_batch,
-                              schedule="1f1b", recompute=recompute, zero=1 if dp > 1 else 0)
+                              schedule="1f1b", recompute=recompute, zero=1 if dp > 1 else 0, dtype=dtype)
                  for pp, dp in _meshes(n, tp, body, global_batch) for recompute in ("none", "full"))
         return _first_fitting(model, cluster, plans, f"no 3D layout of {n} GPUs (tp={tp})", global_batch, stack)
     raise ConfigError("variant", f"{variant!r} is not a DeepSpeed recipe", "choose 'zero3' or '3d'")

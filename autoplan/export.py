@@ -1,47 +1,45 @@
-"""Export a plan to the configuration of a training framework a user already runs.
+"""Export a plan to the configuration of a training engine a user already runs.
 
-    autoplan export plan.json --to megatron   --model gpt3-13b   # Megatron-LM command-line flags
-    autoplan export plan.json --to deepspeed                     # DeepSpeed config JSON
-    autoplan export plan.json --to torchtitan --model llama3-8b  # torchtitan TOML job config
+    autoplan export plan.json --to megatron   --model llama3-8b --cluster c.json   # Megatron-LM launch script
+    autoplan export plan.json --to deepspeed  --cluster c.json                     # DeepSpeed config JSON
+    autoplan export plan.json --to torchtitan --model llama3-8b                    # torchtitan 0.3 Python config
+    autoplan export plan.json --to torchtitan --model llama3-8b --engine-version 0.2   # torchtitan 0.2 TOML
 
-Each target is checked against what that framework can express. A plan the target
-cannot run as planned (per-stage tensor-parallel degrees on a mixed cluster, a layer
-split its pipeline cannot reproduce, a schedule it does not implement, ...) is refused
-with a :class:`~autoplan.errors.ConfigError` that says why and what to do instead:
-an exported config that silently runs a different plan would make the prediction a lie.
-Where a target runs something strictly equivalent or better under another name, the
-export says so in a note (and in a comment inside the file).
+Each target is checked against what that engine can express (:mod:`autoplan.engines`,
+the same check ``search --for`` uses). A plan the engine cannot run as planned is refused
+with a :class:`~autoplan.errors.ConfigError` naming the plan field and the nearest plan it
+can run: an exported config that silently runs a different plan would make the
+prediction a lie. Where an engine runs the same thing under another name, the export
+says so in a note (and in a comment inside the file).
 
-The flag and key names are the ones the projects document: Megatron-LM's
-``megatron/training/arguments.py``, DeepSpeed's "config JSON" documentation and
-torchtitan's ``torchtitan/config/job_config.py``.
+The names are the engines' own, read from their code: Megatron-LM's
+``megatron/training/arguments.py`` at the commit in ``autoplan/data/engines/megatron-lm.json``
+(every export is checked against that table's flags and ``validate_args`` rules by
+:mod:`autoplan.megatron_rules`), DeepSpeed 0.19's ``deepspeed/runtime/config.py``, and
+torchtitan's ``torchtitan/config`` (0.3: Python ``Trainer.Config`` functions; 0.2: TOML).
 """
 from __future__ import annotations
 
-import dataclasses
 import json
+import shlex
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Iterable
 
+from autoplan.engines import (ENGINES, MEGATRON_COMMIT, all_bf16, blocks_per_stage, check, get_engine,
+                              megatron_default_split, preset_name)
 from autoplan.errors import ConfigError
 from autoplan.plan import Plan
 
 if TYPE_CHECKING:
+    from autoplan.cluster import Cluster
     from autoplan.models.spec import ModelSpec
 
 TARGETS = ("megatron", "deepspeed", "torchtitan")
 
-SUFFIXES = {"megatron": ".args", "deepspeed": ".json", "torchtitan": ".toml"}
-"""File suffix a target's output is written with by default."""
-
 TORCHTITAN_SCHEDULES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved-1f1b": "Interleaved1F1B",
                         "zero-bubble": "InterleavedZeroBubble"}
 """autoplan schedule -> the schedule class name torchtitan looks up (torch.distributed.pipelining's
-``get_schedule_class`` names)."""
-
-TORCHTITAN_FLAVORS = {"llama3-8b": ("llama3", "8B"), "llama3-70b": ("llama3", "70B"),
-                      "llama3-405b": ("llama3", "405B")}
-"""Zoo presets torchtitan ships as ``[model] name``/``flavor``; other models need a TrainSpec."""
+``get_schedule_class`` names); zero-bubble (ZB-H1) is InterleavedZeroBubble with one stage per rank."""
 
 _TORCH_DTYPES = {"bf16": "bfloat16", "fp32": "float32"}
 
@@ -56,34 +54,41 @@ class Exported:
     """The file content, ready to write."""
     notes: tuple[str, ...] = ()
     """What the user must know: substitutions made, rank placement, parts set in code."""
+    suffix: str = ""
+    """File suffix the content is written with by default ('.sh', '.json', '.py', '.toml')."""
+    engine_version: str = ""
+    """The engine release the file is written for."""
 
-    @property
-    def suffix(self) -> str:
-        return SUFFIXES[self.target]
 
+def export(plan: Plan, target: str, model: "ModelSpec | None" = None, cluster: "Cluster | None" = None,
+           engine_version: str | None = None) -> Exported:
+    """The configuration of ``target`` that runs ``plan``.
 
-def export(plan: Plan, target: str, model: "ModelSpec | None" = None) -> Exported:
-    """The configuration of ``target`` that runs ``plan``. ``model`` adds the model-shape
-    settings and lets the layer split be read from the model's units; without it the plan's
-    units are taken to be [embedding, blocks..., head], the zoo's layout for language models."""
+    ``model`` adds the model's settings (shapes, rotary base and scaling, norm epsilon,
+    biases, ...) and lets the layer split be read from its units; without it the plan's
+    units are taken to be [embedding, blocks..., head], the zoo's layout for language
+    models. ``cluster`` picks the dtype the devices have (no bf16 on V100 or T4: fp16 with
+    loss scaling) and is checked against the plan. ``engine_version`` picks the engine
+    release (torchtitan: '0.3', the default, or '0.2')."""
     if target not in TARGETS:
         raise ConfigError("to", f"{target!r} is not an export target", f"choose one of {', '.join(TARGETS)}")
+    engine = get_engine(target, engine_version)
     if model is not None:
         _check_model(plan, model)
-    return {"megatron": to_megatron, "deepspeed": to_deepspeed, "torchtitan": to_torchtitan}[target](plan, model)
+    if cluster is not None:
+        plan.validate(model, cluster)
+    original, plan = plan, _device_dtype(plan, cluster, engine.name)
+    check(plan, engine, model, cluster)
+    if target == "megatron":
+        return to_megatron(plan, model, cluster, original)
+    if target == "deepspeed":
+        return to_deepspeed(plan, model, cluster, original)
+    if engine.version.startswith("0.2"):
+        return to_torchtitan_toml(plan, model, cluster, original)
+    return to_torchtitan_python(plan, model, cluster, original)
 
 
 # ----------------------------------------------------------------------------- shared analysis
-@dataclass(frozen=True)
-class _Layout:
-    """How the plan's stages map onto a language model's transformer blocks."""
-
-    blocks: tuple[int, ...]
-    """Transformer blocks in each stage, in stage order."""
-    first_block: tuple[int, ...]
-    """Index (0-based, among blocks) of each stage's first block."""
-
-
 def _check_model(plan: Plan, model: "ModelSpec") -> None:
     if plan.model and model.name and plan.model != model.name:
         raise ConfigError("model", f"the plan was made for {plan.model!r}, not {model.name!r}",
@@ -94,9 +99,26 @@ def _check_model(plan: Plan, model: "ModelSpec") -> None:
     plan.validate(model)
 
 
-def _layout(plan: Plan, model: "ModelSpec | None") -> _Layout:
-    """Blocks per stage; every stage must hold at least one transformer block, because the
-    frameworks place the embedding with the first block and the head with the last."""
+def _device_dtype(plan: Plan, cluster: "Cluster | None", target: str) -> Plan:
+    """The plan in the dtype the cluster's devices have: bf16 becomes fp16 (with dynamic loss
+    scaling) where a device has no bf16 units, for engines that train in fp16 (the cost model
+    already timed such devices at their fp16 rate and the bytes are the same)."""
+    from dataclasses import replace
+    if cluster is None or plan.dtype != "bf16" or all_bf16(cluster):
+        return plan
+    if "fp16" in ENGINES[target].dtypes:
+        return replace(plan, dtype="fp16")
+    return plan
+
+
+def _dtype_note(original: Plan, plan: Plan) -> list[str]:
+    if original.dtype == plan.dtype:
+        return []
+    return [f"the cluster has devices without bf16 units (V100, T4): training in fp16 with dynamic loss "
+            f"scaling instead of the plan's {original.dtype}"]
+
+
+def _layout_kinds(plan: Plan, model: "ModelSpec | None") -> list[str]:
     if model is not None:
         kinds = [l.kind for l in model.layers]
     else:
@@ -105,39 +127,22 @@ def _layout(plan: Plan, model: "ModelSpec | None") -> _Layout:
     if len(kinds) < 3 or kinds[0] != "embedding" or kinds[-1] != "head":
         raise ConfigError("model", "the model's units are not [embedding, blocks..., head]",
                           "only language models split this way can be exported")
-    blocks, first = [], []
-    for i, s in enumerate(plan.stages):
-        inner = [k for k in kinds[s.start:s.end] if k not in ("embedding", "head")]
-        if any(k != "block" for k in inner):
-            raise ConfigError(f"stages[{i}]", f"holds units of kind {sorted(set(inner) - {'block'})}",
-                              "only transformer blocks can be exported")
-        if not inner:
-            raise ConfigError(f"stages[{i}]", f"holds no transformer block (units {s.start}..{s.end})",
-                              "the target puts the embedding with the first block and the head with the "
-                              "last; re-plan so that every stage has a block")
-        blocks.append(len(inner))
-        first.append(max(0, s.start - 1))
-    return _Layout(blocks=tuple(blocks), first_block=tuple(first))
+    return kinds
 
 
-def _uniform_tp(plan: Plan, target_name: str) -> int:
-    tps = [g.tp for g in plan.groups]
-    if len(set(tps)) > 1:
-        raise ConfigError("groups[].tp", f"the plan uses a different tensor-parallel degree per pipeline "
-                          f"stage ({'/'.join(map(str, tps))}), which {target_name} cannot express "
-                          "(one tensor-parallel size for the whole job)",
-                          "search with the tensor-parallel degree fixed, or run the plan with `autoplan run`")
-    return tps[0]
-
-
-def _uniform_recompute(plan: Plan, target_name: str) -> str:
-    mode = plan.recompute
-    if mode == "mixed":
-        per = "/".join(s.recompute for s in plan.stages)
-        raise ConfigError("stages[].recompute", f"the plan recomputes differently per stage ({per}), which "
-                          f"{target_name} cannot express (one setting for the whole model)",
-                          "re-plan with one recompute mode, or run the plan with `autoplan run`")
-    return mode
+def _stage_units(plan: Plan, model: "ModelSpec | None") -> list[list[str]]:
+    """Per stage, its units as 'embedding', 'block:<i>' (i counts blocks from 0) or 'head'."""
+    kinds = _layout_kinds(plan, model)
+    names, b = [], 0
+    for k in kinds:
+        if k == "block":
+            names.append(f"block:{b}")
+            b += 1
+        elif k in ("embedding", "head"):
+            names.append(k)
+        else:
+            raise ConfigError("model", f"has units of kind {k!r}", "only transformer language models can be exported")
+    return [names[s.start:s.end] for s in plan.stages]
 
 
 def _placement_note(plan: Plan, framework: str) -> str | None:
@@ -167,59 +172,44 @@ def _seq_len(plan: Plan, model: "ModelSpec | None") -> int:
     return plan.seq_len or (model.seq_len if model is not None else 0)
 
 
+def _comment(text: str) -> str:
+    """``text`` as one comment line: line breaks cannot end the comment."""
+    return " ".join(str(text).split())
+
+
+def _counts(blocks: Iterable[int]) -> str:
+    return "[" + ", ".join(map(str, blocks)) + "]"
+
+
 # ----------------------------------------------------------------------------- Megatron-LM
-def megatron_args(plan: Plan, model: "ModelSpec | None" = None) -> tuple[list[str], list[str]]:
-    """(argv, notes): the Megatron-LM flags that run ``plan``."""
+def megatron_args(plan: Plan, model: "ModelSpec | None" = None) -> tuple[list[str], dict[str, str | None], list[str]]:
+    """(argv, env, notes): the Megatron-LM flags that run ``plan``, and the environment they
+    need (a value of None means the variable must be unset)."""
     name = "Megatron-LM"
-    tp = _uniform_tp(plan, name)
-    pp, v = plan.pp, plan.virtual_stages
-    layout = _layout(plan, model)
-    recompute = _uniform_recompute(plan, name)
+    check(plan, "megatron", model)
+    tp, pp, v = plan.tp, plan.pp, plan.virtual_stages
     notes: list[str] = []
-    if pp > 1 and plan.schedule == "zero-bubble":
-        raise ConfigError("schedule", "Megatron-LM has no zero-bubble pipeline schedule",
-                          "export --to torchtitan (InterleavedZeroBubble), or re-plan with 1f1b")
-    if pp > 1 and plan.schedule == "gpipe":
-        raise ConfigError("schedule", "Megatron-LM runs 1F1B, not GPipe",
-                          "re-plan with schedule '1f1b' (same bubble, less activation memory)")
+    env: dict[str, str | None] = {}
     if pp == 1 and plan.schedule == "gpipe" and plan.num_micro_batches > 1:
         notes.append("with one pipeline stage Megatron-LM runs forward and backward per micro-batch, "
                      "which holds less activation memory than the plan's GPipe order")
 
     argv: list[str] = ["--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp)]
-    blocks = layout.blocks
-    if v > 1:
-        if pp < 2:
-            raise ConfigError("virtual_stages", "Megatron-LM's interleaved schedule needs at least 2 "
-                              "pipeline stages", "set virtual_stages to 1")
-        if len(set(blocks)) > 1:
-            raise ConfigError("stages", f"the interleaved schedule splits the blocks unevenly ({_counts(blocks)}); "
-                              "Megatron-LM's --num-layers-per-virtual-pipeline-stage needs the same count in "
-                              "every virtual stage", "re-plan with an even split or export --to torchtitan")
-        if plan.num_micro_batches % pp:
-            raise ConfigError("num_micro_batches", f"{plan.num_micro_batches} is not a multiple of pp={pp}, "
-                              "which Megatron-LM's interleaved schedule requires")
-        argv += ["--num-layers-per-virtual-pipeline-stage", str(blocks[0])]
-    elif pp > 1 and len(set(blocks)) > 1:
-        # Megatron splits evenly, except that the first and last stage may be given their own
-        # counts (--decoder-first/last-pipeline-num-layers); anything else is refused.
-        middle = blocks[1:-1]
-        if len(set(middle)) > 1:
-            raise ConfigError("stages", f"the layer split {_counts(blocks)} is uneven in the middle stages; "
-                              "Megatron-LM splits blocks evenly and only lets the first and last stage differ",
-                              "export --to torchtitan (arbitrary split points), or re-plan with an even split")
-        even = middle[0] if middle else None
-        if even is None:
-            # pp == 2: fixing the first stage leaves the rest to the last, so any split works.
-            argv += ["--decoder-first-pipeline-num-layers", str(blocks[0])]
+    if pp > 1:
+        units = _stage_units(plan, model)
+        if megatron_default_split(plan, model):
+            if v > 1:
+                argv += ["--num-layers-per-virtual-pipeline-stage", str(blocks_per_stage(plan, model)[0])]
         else:
-            if blocks[0] != even:
-                argv += ["--decoder-first-pipeline-num-layers", str(blocks[0])]
-            if blocks[-1] != even:
-                argv += ["--decoder-last-pipeline-num-layers", str(blocks[-1])]
+            # Any split, virtual stages included: the stages in model order (stage s on rank
+            # s % pp, as in autoplan), E = embedding, t = a transformer block, L = output and loss.
+            argv += ["--pipeline-model-parallel-layout", megatron_layout(units)]
+            notes.append(f"blocks per stage {_counts(blocks_per_stage(plan, model))}: set with "
+                         "--pipeline-model-parallel-layout")
     if plan.sequence_parallel and tp > 1:
         argv.append("--sequence-parallel")
     argv += ["--micro-batch-size", str(plan.micro_batch), "--global-batch-size", str(plan.global_batch)]
+    recompute = plan.recompute
     if recompute == "selective":
         argv += ["--recompute-granularity", "selective"]
     elif recompute == "full":
@@ -227,25 +217,38 @@ def megatron_args(plan: Plan, model: "ModelSpec | None" = None) -> tuple[list[st
         argv += ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
     if plan.zero == 1:
         argv.append("--use-distributed-optimizer")
-    elif plan.zero == 2:
-        raise ConfigError("zero", "Megatron-LM has no ZeRO-2: its distributed optimizer shards optimizer "
-                          "states but keeps a full gradient buffer",
-                          "re-plan with zero 1 (--use-distributed-optimizer) or export --to deepspeed / torchtitan")
     elif plan.zero == 3:
-        if pp > 1:
-            raise ConfigError("zero", "Megatron-LM's ZeRO-3 (--use-torch-fsdp2) does not work with pipeline "
-                              "parallelism", "export --to torchtitan, or re-plan without pipeline stages")
-        argv.append("--use-torch-fsdp2")
+        # torch FSDP2 cannot use the fused weight-gradient accumulation into main_grad buffers,
+        # and wants several CUDA connections (validate_args refuses CUDA_DEVICE_MAX_CONNECTIONS=1).
+        argv += ["--use-torch-fsdp2", "--no-gradient-accumulation-fusion"]
+        env["CUDA_DEVICE_MAX_CONNECTIONS"] = None
+    if tp > 1 and plan.zero != 3:
+        # Tensor (and sequence) parallel communication must be queued before the compute it
+        # overlaps; Megatron-LM asserts this for GPUs before Blackwell.
+        env["CUDA_DEVICE_MAX_CONNECTIONS"] = "1"
     if plan.dtype == "bf16":
         argv.append("--bf16")
     elif plan.dtype == "fp16":
+        # No --loss-scale: Megatron-LM then scales the loss dynamically.
         argv.append("--fp16")
     if model is not None:
         argv += _megatron_model_args(plan, model, notes)
     note = _placement_note(plan, name)
     if note:
         notes.append(note)
-    return argv, notes
+    return argv, env, notes
+
+
+def megatron_layout(stage_units: list[list[str]]) -> str:
+    """``--pipeline-model-parallel-layout``: stages separated by '|', E = embedding, t = a
+    transformer block (runs written 't*N'), L = output layer and loss."""
+    parts = []
+    for units in stage_units:
+        blocks = sum(1 for u in units if u.startswith("block:"))
+        text = ("E" if "embedding" in units else "") + ("t" if blocks == 1 else f"t*{blocks}" if blocks else "") \
+            + ("L" if "head" in units else "")
+        parts.append(text)
+    return "|".join(parts)
 
 
 def _megatron_model_args(plan: Plan, model: "ModelSpec", notes: list[str]) -> list[str]:
@@ -254,92 +257,94 @@ def _megatron_model_args(plan: Plan, model: "ModelSpec", notes: list[str]) -> li
     out = ["--num-layers", str(cfg.layers), "--hidden-size", str(cfg.hidden),
            "--num-attention-heads", str(cfg.heads), "--seq-length", str(seq),
            "--max-position-embeddings", str(max(cfg.max_positions or seq, seq)),
-           "--ffn-hidden-size", str(cfg.ffn_hidden)]
+           "--ffn-hidden-size", str(cfg.ffn_hidden), "--vocab-size", str(cfg.vocab)]
     if cfg.kv_heads != cfg.heads:
         out += ["--group-query-attention", "--num-query-groups", str(cfg.kv_heads)]
     if cfg.head_dim * cfg.heads != cfg.hidden:
         out += ["--kv-channels", str(cfg.head_dim)]
     if cfg.norm == "rmsnorm":
         out += ["--normalization", "RMSNorm"]
+    out += ["--norm-epsilon", repr(float(cfg.norm_eps))]
     if cfg.mlp == "swiglu":
         out.append("--swiglu")
-    elif cfg.mlp == "relu":
-        raise ConfigError("model", f"{model.name} uses a ReLU MLP, which Megatron-LM's GPT model does not offer")
     if cfg.position == "rope":
-        out += ["--position-embedding-type", "rope"]
+        out += ["--position-embedding-type", "rope", "--rotary-base", str(int(cfg.rope_theta))]
+        if cfg.rope_theta != int(cfg.rope_theta):
+            raise ConfigError("model.rope_theta", f"{cfg.rope_theta} is not an integer, which "
+                              "Megatron-LM's --rotary-base needs")
+        if cfg.rope_scaling_factor:
+            out += ["--use-rope-scaling", "--rope-scaling-factor", repr(float(cfg.rope_scaling_factor))]
     if not cfg.bias:
         out.append("--disable-bias-linear")
+        if cfg.qkv_bias:
+            out.append("--add-qkv-bias")
     if not cfg.tie_embeddings:
         out.append("--untie-embeddings-and-output-weights")
+    # The model's own dropout (Megatron-LM's default is 0.1; Llama and Mixtral train without).
+    out += ["--attention-dropout", repr(float(cfg.dropout)), "--hidden-dropout", repr(float(cfg.dropout))]
     if cfg.arch == "moe":
-        out += ["--num-experts", str(cfg.num_experts), "--moe-router-topk", str(cfg.top_k)]
+        out += ["--num-experts", str(cfg.num_experts), "--moe-router-topk", str(cfg.top_k),
+                "--moe-ffn-hidden-size", str(cfg.ffn_hidden)]
     script = "pretrain_bert.py" if cfg.arch == "bert" else "pretrain_gpt.py"
-    notes.append(f"model {model.name}: run Megatron-LM's {script}; its vocabulary ({cfg.vocab}) comes from the "
-                 "tokenizer arguments you add (e.g. --tokenizer-type NullTokenizer --vocab-size "
-                 f"{cfg.vocab} for synthetic data)")
+    notes.append(f"model {model.name}: run Megatron-LM's {script}; --vocab-size {cfg.vocab} is read by "
+                 "tokenizers without a vocabulary file (e.g. --tokenizer-type NullTokenizer), others bring "
+                 "their own")
     return out
 
 
-def to_megatron(plan: Plan, model: "ModelSpec | None" = None) -> Exported:
-    argv, notes = megatron_args(plan, model)
+def to_megatron(plan: Plan, model: "ModelSpec | None" = None, cluster: "Cluster | None" = None,
+                original: Plan | None = None) -> Exported:
+    argv, env, notes = megatron_args(plan, model)
+    notes = _dtype_note(original or plan, plan) + notes
     world = plan.num_gpus
-    lines = [f"# Megatron-LM arguments for the autoplan plan: {plan.describe()}",
+    script = "pretrain_bert.py" if model is not None and getattr(model.config, "arch", "") == "bert" \
+        else "pretrain_gpt.py"
+    lines = ["#!/usr/bin/env bash",
+             f"# Megatron-LM launch settings for the autoplan plan: {_comment(plan.describe())}",
+             f"# Written for Megatron-LM main @ {MEGATRON_COMMIT[:7]} (flags and validate_args rules checked).",
              f"# {world} GPUs = tensor {plan.tp} x pipeline {plan.pp} x data {plan.dp}; Megatron-LM derives "
              "the data-parallel size from the world size.",
-             "# Use: torchrun --nproc-per-node <gpus per node> --nnodes <nodes> pretrain_gpt.py "
-             "$(grep -v '^#' THIS_FILE) <data, tokenizer, optimizer and logging arguments>"]
-    lines += [f"# note: {n}" for n in notes]
+             f"# Use: source THIS_FILE; torchrun --nproc-per-node <gpus per node> --nnodes <nodes> {script} "
+             '"${MEGATRON_ARGS[@]}" <data, tokenizer, optimizer and logging arguments>']
+    lines += [f"# note: {_comment(n)}" for n in notes]
+    for key, value in env.items():
+        lines.append(f"unset {key}" if value is None else f"export {key}={shlex.quote(value)}")
+    lines.append("MEGATRON_ARGS=(")
     # One flag (with its value) per line so the file diffs and reads well.
     i = 0
     while i < len(argv):
         if i + 1 < len(argv) and not argv[i + 1].startswith("--"):
-            lines.append(f"{argv[i]} {argv[i + 1]}")
+            lines.append(f"  {argv[i]} {shlex.quote(argv[i + 1])}")
             i += 2
         else:
-            lines.append(argv[i])
+            lines.append(f"  {argv[i]}")
             i += 1
-    return Exported("megatron", "\n".join(lines) + "\n", tuple(notes))
-
-
-def _counts(blocks: Iterable[int]) -> str:
-    return "[" + ", ".join(map(str, blocks)) + "]"
+    lines.append(")")
+    text = "\n".join(lines) + "\n"
+    from autoplan.megatron_rules import check_script
+    check_script(text, world_size=world)   # the export itself obeys the table it is tested against
+    return Exported("megatron", text, tuple(notes), ".sh", f"main@{MEGATRON_COMMIT[:7]}")
 
 
 # ----------------------------------------------------------------------------- DeepSpeed
 def deepspeed_config(plan: Plan, model: "ModelSpec | None" = None) -> tuple[dict, list[str]]:
     """(config, notes): a DeepSpeed config JSON (as a dict) that runs ``plan``."""
     name = "DeepSpeed"
-    tp = _uniform_tp(plan, name)
-    if tp > 1:
-        raise ConfigError("groups[].tp", f"the plan uses tensor parallelism (tp={tp}), which is not a "
-                          "DeepSpeed config setting: it comes from the model code (Megatron-DeepSpeed)",
-                          "export --to megatron for the tensor-parallel part, or re-plan with tp=1")
-    recompute = _uniform_recompute(plan, name)
-    if recompute == "selective":
-        raise ConfigError("stages[].recompute", "DeepSpeed's activation checkpointing recomputes whole layers; "
-                          "it has no selective (attention-only) recomputation",
-                          "re-plan with recompute 'full' or 'none', or export --to megatron / torchtitan")
-    if plan.dtype == "fp32":
-        dtype_cfg: dict = {}
-    else:
-        dtype_cfg = {plan.dtype: {"enabled": True}}
-    pp = plan.pp
+    check(plan, "deepspeed", model)
+    recompute = plan.recompute
     notes: list[str] = []
-    if pp > 1:
-        if plan.zero >= 2:
-            raise ConfigError("zero", f"DeepSpeed's pipeline engine supports ZeRO stage 0 or 1 only, the plan "
-                              f"uses ZeRO-{plan.zero} with {pp} pipeline stages",
-                              "re-plan with zero <= 1, or export --to torchtitan")
-        if plan.schedule != "1f1b":
-            raise ConfigError("schedule", f"DeepSpeed's pipeline engine runs its own 1F1B-style schedule, not "
-                              f"{plan.schedule!r}", "re-plan with schedule '1f1b', or export --to torchtitan")
     cfg: dict = {
         "train_batch_size": plan.global_batch,
         "train_micro_batch_size_per_gpu": plan.micro_batch,
         "gradient_accumulation_steps": plan.num_micro_batches,
-        **dtype_cfg,
-        "zero_optimization": {"stage": plan.zero, "overlap_comm": True, "contiguous_gradients": True},
     }
+    if plan.dtype == "bf16":
+        cfg["bf16"] = {"enabled": True}
+    elif plan.dtype == "fp16":
+        # loss_scale 0 = dynamic loss scaling, starting at 2**16 (DeepSpeed's documented defaults).
+        cfg["fp16"] = {"enabled": True, "loss_scale": 0, "initial_scale_power": 16, "loss_scale_window": 1000,
+                       "hysteresis": 2, "min_loss_scale": 1}
+    cfg["zero_optimization"] = {"stage": plan.zero, "overlap_comm": True, "contiguous_gradients": True}
     if recompute == "full":
         # Settings of deepspeed.checkpointing; the model (or PipelineModule) decides where to
         # checkpoint, here every layer.
@@ -350,23 +355,15 @@ def deepspeed_config(plan: Plan, model: "ModelSpec | None" = None) -> tuple[dict
     explain = [f"autoplan plan: {plan.describe()}",
                "tensor parallelism: none (DeepSpeed has no config key for it; use the megatron export "
                "for tensor-parallel plans)"]
+    pp = plan.pp
     if pp > 1:
-        units = [s.num_layers for s in plan.stages]
-        parts = [0]
-        for s in plan.stages:
-            parts.append(s.end)
-        uniform = _ds_partition_uniform(parts[-1], pp) == parts
-        method = "uniform" if uniform else "custom"
+        parts = [0] + [s.end for s in plan.stages]
         ckpt = ", activation_checkpoint_interval=1" if recompute == "full" else ""
-        how = ("partition_method='uniform'" if uniform
-               else "layers cut at autoplan_pipeline.stage_boundaries")
         explain.append(f"pipeline stages: {pp} (not a config key): build the model as deepspeed.pipe."
-                       f"PipelineModule(layers, num_stages={pp}{ckpt}) with {how}")
-        cfg["autoplan_pipeline"] = {"num_stages": pp, "partition_method": method, "stage_boundaries": parts,
-                                    "units_per_stage": units}
-        if not uniform:
-            notes.append(f"DeepSpeed's uniform partition of {parts[-1]} layers differs from the plan's split "
-                         f"{units}: give PipelineModule those boundaries ({parts})")
+                       f"PipelineModule(layers, num_stages={pp}, partition_method='uniform'{ckpt}) with the "
+                       f"model's {parts[-1]} units as layers; it cuts them at {parts}")
+        cfg["autoplan_pipeline"] = {"num_stages": pp, "partition_method": "uniform", "stage_boundaries": parts,
+                                    "units_per_stage": [s.num_layers for s in plan.stages]}
     if recompute == "full":
         explain.append("activation checkpointing: wrap every layer with deepspeed.checkpointing.checkpoint "
                        "(or set PipelineModule's activation_checkpoint_interval=1)")
@@ -378,87 +375,61 @@ def deepspeed_config(plan: Plan, model: "ModelSpec | None" = None) -> tuple[dict
     return cfg, notes
 
 
-def _ds_partition_uniform(num_items: int, num_parts: int) -> list[int]:
-    """Boundaries DeepSpeed's ``partition_uniform`` (deepspeed/runtime/utils.py) gives: equal
-    chunks, the remainder spread one each over the first parts."""
-    if num_items <= num_parts:
-        return [min(p, num_items) for p in range(num_parts + 1)]
-    chunk, residual = divmod(num_items, num_parts)
-    parts = [p * chunk for p in range(num_parts + 1)]
-    for i in range(residual):
-        for j in range(i + 1, num_parts + 1):
-            parts[j] += 1
-    return parts
-
-
-def to_deepspeed(plan: Plan, model: "ModelSpec | None" = None) -> Exported:
+def to_deepspeed(plan: Plan, model: "ModelSpec | None" = None, cluster: "Cluster | None" = None,
+                 original: Plan | None = None) -> Exported:
     cfg, notes = deepspeed_config(plan, model)
-    return Exported("deepspeed", json.dumps(cfg, indent=2) + "\n", tuple(notes))
+    notes = _dtype_note(original or plan, plan) + notes
+    if notes and plan.dtype != (original or plan).dtype:
+        cfg["comment"] = "; ".join([cfg["comment"], notes[0]])
+    return Exported("deepspeed", json.dumps(cfg, indent=2) + "\n", tuple(notes), ".json", ENGINES["deepspeed"].version)
 
 
 # ----------------------------------------------------------------------------- torchtitan
-def torchtitan_config(plan: Plan, model: "ModelSpec | None" = None) -> tuple[dict, list[str], dict]:
-    """(sections, notes, comments): the torchtitan job config as {section: {key: value}},
-    and per-key comments ``{(section, key): text}`` for the TOML writer."""
-    name = "torchtitan"
-    tp = _uniform_tp(plan, name)
-    recompute = _uniform_recompute(plan, name)
-    pp, dp, v = plan.pp, plan.dp, plan.virtual_stages
+def torchtitan_settings(plan: Plan, model: "ModelSpec | None" = None, version: str = "0.3") -> dict:
+    """The torchtitan settings that run ``plan``, as {section: {field: value}} in the names of
+    torchtitan's config dataclasses (0.3) or TOML sections (0.2), plus '_notes' and '_comments'."""
+    engine = get_engine("torchtitan", version)
+    check(plan, engine, model)
+    tp, pp, dp, v = plan.tp, plan.pp, plan.dp, plan.virtual_stages
     notes: list[str] = []
     comments: dict[tuple[str, str], str] = {}
-    if plan.dtype not in _TORCH_DTYPES:
-        raise ConfigError("dtype", f"torchtitan trains in bfloat16 or float32, not {plan.dtype}",
-                          "re-plan with dtype bf16")
     seq = _seq_len(plan, model)
     if not seq:
         raise ConfigError("seq_len", "the plan does not record its sequence length", "pass --model")
-    if model is not None:
-        _transformer_config(model, name)
-    model_name = plan.model or (model.name if model is not None else "")
-    flavor = TORCHTITAN_FLAVORS.get(model_name)
-    if flavor is not None and model is not None:
-        from autoplan.models.presets import get_config
-        if dataclasses.replace(model.config, seq_len=get_config(model_name).seq_len,
-                               max_positions=None).resolved() != get_config(model_name):
-            flavor = None  # the preset with changed shapes is not torchtitan's flavor any more
-    if flavor is None:
-        tt_name, tt_flavor = model_name or "custom", "custom"
-        comments[("model", "name")] = (f"torchtitan ships no '{model_name or 'custom'}' model: register a "
-                                       "TrainSpec with this name and flavor")
-    else:
-        tt_name, tt_flavor = flavor
-
     parallel: dict = {}
+    # FSDP2 over the data-parallel ranks is ZeRO-3 (parameters re-gathered for backward);
+    # without sharding the ranks replicate (DDP).
     if plan.zero == 0:
         parallel["data_parallel_replicate_degree"] = dp
         parallel["data_parallel_shard_degree"] = 1
     else:
         parallel["data_parallel_replicate_degree"] = 1
         parallel["data_parallel_shard_degree"] = dp
-        if plan.zero == 3:
-            parallel["fsdp_reshard_after_forward"] = "always"
-        else:
-            # FSDP2 that keeps parameters gathered from forward to backward is ZeRO-2.
-            parallel["fsdp_reshard_after_forward"] = "never"
-            if plan.zero == 1 and dp > 1:
-                notes.append("FSDP2 has no optimizer-only sharding: the plan's ZeRO-1 runs as ZeRO-2 "
-                             "(gradients sharded too), which moves the same bytes and holds less memory")
-                comments[("parallelism", "fsdp_reshard_after_forward")] = "ZeRO-1 in the plan, run as ZeRO-2"
+        parallel["fsdp_reshard_after_forward"] = "always"
     parallel["tensor_parallel_degree"] = tp
-    parallel["enable_async_tensor_parallel"] = False
-    if tp > 1 and not plan.sequence_parallel:
-        notes.append("torchtitan's tensor parallelism always shards the sequence in norms and dropout "
-                     "(sequence parallel), which the plan did not assume: same traffic, less memory")
+    if tp > 1 and engine.sequence_parallel_without:
+        parallel["enable_sequence_parallel"] = plan.sequence_parallel
     parallel["pipeline_parallel_degree"] = pp
     parallel["pipeline_parallel_schedule"] = TORCHTITAN_SCHEDULES[plan.schedule]
+    head = "lm_head" if engine.version.startswith("0.3") else "output"
     if pp > 1:
-        layout = _layout(plan, model)
         parallel["pipeline_parallel_microbatch_size"] = plan.micro_batch
-        # Each later stage begins at its first transformer block (embedding and head stay with
-        # the first and last stage); looped schedules place stage s on rank s % pp like autoplan.
-        parallel["pipeline_parallel_split_points"] = [f"layers.{b}" for b in layout.first_block[1:]]
-        comments[("parallelism", "pipeline_parallel_split_points")] = (
-            f"blocks per stage: {_counts(layout.blocks)}" + (f" ({v} stages per rank)" if v > 1 else ""))
+        parts = []
+        for units in _stage_units(plan, model):
+            mods = []
+            for u in units:
+                if u == "embedding":
+                    mods.append("tok_embeddings")
+                elif u == "head":
+                    mods += ["norm", head]
+                else:
+                    mods.append(f"layers.{u.split(':')[1]}")
+            parts.append(mods)
+        # The modules of every stage in model order; looped schedules place stage s on rank
+        # s % pp like autoplan.
+        parallel["module_fqns_per_model_part"] = parts
+        comments[("parallelism", "module_fqns_per_model_part")] = (
+            f"blocks per stage: {_counts(blocks_per_stage(plan, model))}" + (f" ({v} stages per rank)" if v > 1 else ""))
         if plan.schedule == "zero-bubble":
             comments[("parallelism", "pipeline_parallel_schedule")] = (
                 "zero-bubble (ZB-H1): split input/weight gradients, one stage per rank")
@@ -469,33 +440,106 @@ def torchtitan_config(plan: Plan, model: "ModelSpec | None" = None) -> tuple[dic
         local_batch = plan.micro_batch
     training = {"local_batch_size": local_batch, "global_batch_size": plan.global_batch, "seq_len": seq,
                 "mixed_precision_param": _TORCH_DTYPES[plan.dtype]}
-    ac: dict = {"mode": recompute}
-    if recompute == "selective":
+    if pp > 1 and engine.version.startswith("0.3"):
+        # torchtitan 0.3 refuses CUDA graphs with pipeline parallelism (Trainer.Config validation).
+        training["disable_cuda_graphs"] = True
+    note = _placement_note(plan, "torchtitan")
+    if note:
+        notes.append(note)
+    return {"parallelism": parallel, "training": training, "recompute": plan.recompute,
+            "model": preset_name(model, engine) if model is not None else None,
+            "_notes": notes, "_comments": comments}
+
+
+def to_torchtitan_toml(plan: Plan, model: "ModelSpec | None" = None, cluster: "Cluster | None" = None,
+                       original: Plan | None = None) -> Exported:
+    """torchtitan 0.2.x job config (TOML, read by ``--job.config_file``)."""
+    s = torchtitan_settings(plan, model, "0.2")
+    notes, comments = _dtype_note(original or plan, plan) + s["_notes"], s["_comments"]
+    sections: dict = {"job": {"description": f"autoplan plan: {plan.describe()}"}}
+    if s["model"] is not None:
+        sections["model"] = {"name": s["model"][0], "flavor": s["model"][1]}
+    elif model is not None:
+        sections["model"] = {"name": model.name, "flavor": "custom"}
+        comments[("model", "name")] = (f"torchtitan ships no model with {model.name}'s shapes: register a "
+                                       "TrainSpec with this name and flavor")
+    sections["training"] = s["training"]
+    sections["parallelism"] = s["parallelism"]
+    ac: dict = {"mode": s["recompute"]}
+    if s["recompute"] == "selective":
         ac["selective_ac_option"] = "op"
         comments[("activation_checkpoint", "selective_ac_option")] = (
             "per-op selective recomputation: torchtitan's closest to recomputing the attention core")
-    note = _placement_note(plan, name)
-    if note:
-        notes.append(note)
-    sections = {"job": {"description": f"autoplan plan: {plan.describe()}"},
-                "model": {"name": tt_name, "flavor": tt_flavor},
-                "training": training, "parallelism": parallel, "activation_checkpoint": ac}
-    return sections, notes, comments
-
-
-def to_torchtitan(plan: Plan, model: "ModelSpec | None" = None) -> Exported:
-    sections, notes, comments = torchtitan_config(plan, model)
-    lines = ["# torchtitan job config exported by autoplan",
+    sections["activation_checkpoint"] = ac
+    lines = ["# torchtitan 0.2 job config exported by autoplan (torchrun ... -m torchtitan.train "
+             "--job.config_file THIS_FILE)",
              f"# {plan.num_gpus} GPUs: launch with NGPU={plan.num_gpus} (or torchrun across nodes) and "
              "add dataset, tokenizer, optimizer and step settings."]
-    lines += [f"# note: {n}" for n in notes]
+    lines += [f"# note: {_comment(n)}" for n in notes]
     lines.append(toml_dumps(sections, comments))
-    return Exported("torchtitan", "\n".join(lines), tuple(notes))
+    return Exported("torchtitan", "\n".join(lines), tuple(notes), ".toml", "0.2.2")
+
+
+def to_torchtitan_python(plan: Plan, model: "ModelSpec | None" = None, cluster: "Cluster | None" = None,
+                         original: Plan | None = None) -> Exported:
+    """torchtitan 0.3 config: a module with a ``Trainer.Config`` function, run as
+    ``-m torchtitan.train --module <this module> --config autoplan_plan``."""
+    s = torchtitan_settings(plan, model, "0.3")
+    notes, comments = _dtype_note(original or plan, plan) + s["_notes"], s["_comments"]
+    preset = s["model"]
+    if preset is None and model is not None:
+        notes.append(f"torchtitan ships no model with {model.name}'s shapes: call apply_autoplan(config) at the "
+                     "end of the config function of your own model")
+    run = ("    torchrun --nproc-per-node <gpus per node> --nnodes <nodes> -m torchtitan.train \\\n"
+           "        --module <name> --config autoplan_plan")
+    lines = ['"""torchtitan 0.3 job config exported by autoplan.', "",
+             f"Plan: {_comment(plan.describe())}", ""]
+    if preset is not None:
+        lines += [f"Run on {plan.num_gpus} GPUs: put this file on PYTHONPATH as <name>.py and launch", run,
+                  "adding dataset, tokenizer, optimizer and step settings (in autoplan_plan, or as",
+                  '--section.field command-line overrides)."""']
+    else:
+        lines += ["apply_autoplan(config) sets the plan's parallelism, batch and recomputation on the",
+                  "Trainer.Config of your model (torchtitan ships no model with these shapes by name): call it",
+                  f'at the end of your own config function and run that on {plan.num_gpus} GPUs."""']
+    lines += [f"# note: {_comment(n)}" for n in notes]
+    lines.append("from torchtitan.config import ParallelismConfig")
+    if s["recompute"] == "full":
+        lines.append("from torchtitan.distributed.activation_checkpoint import FullAC")
+    elif s["recompute"] == "selective":
+        lines.append("from torchtitan.distributed.activation_checkpoint import SelectiveAC")
+    if preset is not None:
+        module, flavor = preset
+        base = f"{module}_{flavor.lower()}"
+        lines.append(f"from torchtitan.models.{module}.config_registry import {base}")
+    lines += ["", "", "def apply_autoplan(config):", '    """The plan\'s settings on ``config`` (a Trainer.Config)."""']
+    lines.append("    config.parallelism = ParallelismConfig(")
+    for key, value in s["parallelism"].items():
+        c = comments.get(("parallelism", key))
+        if c:
+            lines.append(f"        # {_comment(c)}")
+        lines.append(f"        {key}={value!r},")
+    lines.append("    )")
+    for key, value in s["training"].items():
+        lines.append(f"    config.training.{key} = {value!r}")
+    if s["recompute"] == "full":
+        lines.append("    config.activation_checkpoint = FullAC.Config()")
+    elif s["recompute"] == "selective":
+        lines.append("    # per-op selective recomputation: torchtitan's closest to recomputing the attention core")
+        lines.append("    config.activation_checkpoint = SelectiveAC.Config()")
+    else:
+        lines.append("    config.activation_checkpoint = None")
+    lines.append("    return config")
+    if preset is not None:
+        lines += ["", "", "def autoplan_plan():",
+                  f'    """torchtitan\'s own {module} {flavor} config (the plan\'s {model.name}) with the plan applied."""',
+                  f"    return apply_autoplan({base}())"]
+    return Exported("torchtitan", "\n".join(lines) + "\n", tuple(notes), ".py", "0.3.0")
 
 
 def toml_dumps(sections: dict, comments: dict | None = None) -> str:
-    """TOML for ``{section: {key: value}}`` with str, bool, int, float and lists of those
-    (written by hand so that exporting needs no TOML library)."""
+    """TOML for ``{section: {key: value}}`` with str, bool, int, float and (nested) lists of
+    those (written by hand so that exporting needs no TOML library)."""
     comments = comments or {}
     out: list[str] = []
     for section, table in sections.items():
@@ -503,7 +547,7 @@ def toml_dumps(sections: dict, comments: dict | None = None) -> str:
         for key, value in table.items():
             c = comments.get((section, key))
             if c:
-                out.append(f"# {c}")
+                out.append(f"# {_comment(c)}")
             out.append(f"{key} = {_toml_value(value, f'{section}.{key}')}")
     return "\n".join(out).lstrip("\n") + "\n"
 

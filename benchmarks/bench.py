@@ -42,6 +42,29 @@ BASELINES = ("megatron", "deepspeed-zero3", "deepspeed-3d")
 BASELINE_TITLES = {"megatron": "Megatron-LM", "deepspeed-zero3": "DeepSpeed ZeRO-3", "deepspeed-3d": "DeepSpeed 3D",
                    "searched": "autoplan (searched)"}
 TOLERANCE = 1e-9
+
+TARGETS = ("megatron", "deepspeed", "torchtitan")
+"""Engines the searched plan is also found for (``search --for``), each against its own rule."""
+TARGET_RULES = {
+    "megatron": ("Megatron-LM rule", lambda m, c, gb, dtype, stack: _baselines().megatron(m, c, gb, dtype=dtype,
+                                                                                         stack=stack)),
+    # DeepSpeed's config expresses the ZeRO-3 recipe (its 3D recipe needs Megatron-DeepSpeed's
+    # tensor-parallel model code).
+    "deepspeed": ("DeepSpeed ZeRO-3 rule",
+                  lambda m, c, gb, dtype, stack: _baselines().deepspeed(m, c, gb, variant="zero3", dtype=dtype,
+                                                                        stack=stack)),
+    # torchtitan's default layout: FSDP2 over every GPU (data_parallel_shard_degree = -1),
+    # the ZeRO-3 recipe's plan.
+    "torchtitan": ("torchtitan default (FSDP2 on all GPUs)",
+                   lambda m, c, gb, dtype, stack: _baselines().deepspeed(m, c, gb, variant="zero3", dtype=dtype,
+                                                                         stack=stack)),
+}
+"""Per target engine: (title, rule) of the hand rule a user of that engine would follow."""
+
+
+def _baselines():
+    from autoplan import baselines
+    return baselines
 """Relative slack when comparing iteration times (float noise, not a performance margin)."""
 
 
@@ -234,6 +257,8 @@ class ScenarioResult:
     """Search statistics as the search reports them."""
     stats_text: str = ""
     """The search's own summary of its statistics (shown in the report when present)."""
+    targets: list = field(default_factory=list)
+    """Per target engine: (engine, searched PlanResult, rule PlanResult, rule title)."""
 
     @property
     def cluster(self) -> Cluster:
@@ -339,8 +364,39 @@ def _as_dict(stats) -> dict:
     return {k: v for k, v in vars(stats).items() if not k.startswith("_")}
 
 
-def run_scenario(scenario: Scenario, log: Callable[[str], None] = lambda s: None) -> ScenarioResult:
-    """Search, baselines and estimates of one scenario."""
+def run_targets(model, cluster: Cluster, global_batch: int, targets: Sequence[str], options: dict | None = None,
+                log: Callable[[str], None] = lambda s: None, name: str = "") -> list:
+    """Per engine: the plan ``search --for`` finds and the engine's own hand rule, both in the
+    dtype the engine uses on this cluster and estimated by the same cost model."""
+    import autoplan
+    from autoplan.engines import get_engine
+    out = []
+    for t in targets:
+        engine = get_engine(t)
+        dtype = engine.dtype_for(cluster, model.dtype)
+        # The model as the engine's stack runs it, in the engine's dtype; the search and the
+        # rule are both estimated on that stack.
+        m = autoplan.models.for_stack(model.config if model.config is not None else model, engine.stack, dtype)
+        title, rule = TARGET_RULES[t]
+        try:
+            searched, *_ = run_search(m, cluster, global_batch, 1, {**(options or {}), "target": t,
+                                                                    "stack": engine.stack})
+        except ConfigError as e:   # the engine does not build this model at all
+            log(f"[{name}] --for {t}: {e}")
+            out.append((engine, PlanResult(t, error=str(e)), PlanResult(t, error="–"), title))
+            continue
+        base = estimate_plan(t, m, cluster, lambda: rule(m, cluster, global_batch, dtype, engine.stack),
+                             stack=engine.stack)
+        log(f"[{name}] --for {t}: " + (f"{searched.time:.4g} s/iteration" if searched.time else "no plan")
+            + f"; {title}: " + (f"{base.time:.4g} s/iteration, fits={base.fits}" if base.time else "no plan"))
+        out.append((engine, searched, base, title))
+    return out
+
+
+def run_scenario(scenario: Scenario, log: Callable[[str], None] = lambda s: None,
+                 targets: Sequence[str] = ()) -> ScenarioResult:
+    """Search, baselines and estimates of one scenario (and, per engine in ``targets``, the
+    plan searched for it against its hand rule)."""
     model = scenario.build_model()
     log(f"[{scenario.name}] {model.describe()} on {scenario.cluster.num_gpus} GPUs, "
         f"global batch {scenario.global_batch}")
@@ -355,8 +411,10 @@ def run_scenario(scenario: Scenario, log: Callable[[str], None] = lambda s: None
     for b in baselines:
         log(f"[{scenario.name}] {b.name}: " + (f"{b.time:.4g} s/iteration, fits={b.fits}" if b.time
                                                else f"no plan ({b.error})"))
+    per_target = run_targets(model, scenario.cluster, scenario.global_batch, targets, scenario.search_options,
+                             log, scenario.name)
     return ScenarioResult(scenario=scenario, model=model, searched=searched, baselines=baselines,
-                          ranked=ranked, stats=stats, stats_text=stats_text)
+                          ranked=ranked, stats=stats, stats_text=stats_text, targets=per_target)
 
 
 # ----------------------------------------------------------------------------- measured track
@@ -719,12 +777,43 @@ def write_report(results: Sequence[ScenarioResult], out_dir: str | Path, measure
             else:
                 lines.append(f"- {res.scenario.name}: no searched plan fits.")
         lines.append("")
+    lines += _targets_section(results)
     for res in results:
         lines += _scenario_section(res, out_dir)
     lines += _measured_section(measured, out_dir)
     path = out_dir / "report.md"
     path.write_text("\n".join(lines).rstrip() + "\n")
     return path
+
+
+def _targets_section(results: Sequence[ScenarioResult]) -> list[str]:
+    """Per scenario and engine: the plan ``search --for ENGINE`` finds against that engine's hand rule."""
+    if not any(res.targets for res in results):
+        return []
+    lines = ["## Per engine: `search --for ENGINE` against the engine's own rule", "",
+             "The searched plan is restricted to what the engine can run (autoplan.engines; `autoplan export --to "
+             "ENGINE` writes it), in the dtype the engine uses on the cluster (fp16 on V100/T4 for Megatron-LM and "
+             "DeepSpeed, fp32 for torchtitan, which has no fp16); the rule is what a user of that engine would "
+             "write by hand, in the same dtype. Both are estimated by the same cost model.", ""]
+    rows = []
+    for res in results:
+        for engine, searched, base, title in res.targets:
+            plan = f"`{searched.plan.describe()}` ({searched.plan.dtype})" if searched.plan \
+                else f"no plan ({(searched.error or '')[:80]})"
+            speed = (f"{base.time / searched.time:.2f}x" if searched.fits and base.fits else
+                     "rule does not fit" if searched.fits else "–")
+            if base.estimate is None:
+                rule_cell = "–"
+            elif base.fits:
+                rule_cell = _fmt_time(base.time)
+            else:
+                short = res.shortfall(base)
+                rule_cell = f"does not fit ({_gib(short.needed)} > {_gib(short.available)} GiB)"
+            rows.append([res.scenario.name, f"{engine.title} {engine.version}", plan, _fmt_time(searched.time),
+                         title, rule_cell, speed, _fmt_secs(searched.seconds)])
+    lines += [_md_table(["scenario", "engine", "searched for the engine", "iteration", "rule", "rule iteration",
+                         "speed-up over the rule", "search time"], rows), ""]
+    return lines
 
 
 def _measured_section(track: MeasuredTrack | None, out_dir: Path) -> list[str]:
@@ -759,12 +848,13 @@ def _measured_section(track: MeasuredTrack | None, out_dir: Path) -> list[str]:
 # ----------------------------------------------------------------------------- driver
 def run(scenarios_dir: str | Path = SCENARIO_DIR, out_dir: str | Path = "report", quick: bool = False,
         only: Sequence[str] = (), measured: bool = True, steps: int = 6,
-        log: Callable[[str], None] = print, command: str = "autoplan bench") -> Path:
+        log: Callable[[str], None] = print, command: str = "autoplan bench",
+        targets: Sequence[str] = TARGETS) -> Path:
     """Run the scenarios and write the report; returns the report's path."""
     t0 = time.perf_counter()
     scenarios = load_scenarios(scenarios_dir, quick=quick, only=only)
     out_dir = Path(out_dir)
-    results = [run_scenario(s, log=log) for s in scenarios]
+    results = [run_scenario(s, log=log, targets=targets) for s in scenarios]
     track = run_measured(out_dir, steps=steps, log=log) if measured else None
     if track is not None and track.skipped:
         log(f"[measured] skipped: {track.skipped}")
@@ -780,6 +870,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--only", nargs="+", default=(), metavar="NAME", help="only these scenarios")
     p.add_argument("--no-measured", action="store_true", help="skip the measured track (runtime on this machine)")
     p.add_argument("--steps", type=int, default=6, help="steps per measured run (default 6)")
+    p.add_argument("--targets", default=",".join(TARGETS), type=_target_list,
+                   help="engines to also search for, each against its own rule (comma-separated; 'none' for none; "
+                        f"default {','.join(TARGETS)})")
+
+
+def _target_list(text: str) -> tuple[str, ...]:
+    names = tuple(t.strip() for t in text.split(",") if t.strip() and t.strip() != "none")
+    for t in names:
+        if t not in TARGETS:
+            raise argparse.ArgumentTypeError(f"{t!r} is not an engine ({', '.join(TARGETS)})")
+    return names
 
 
 def main(argv: list[str] | None = None, command: str = "python -m benchmarks.bench") -> int:
@@ -788,7 +889,7 @@ def main(argv: list[str] | None = None, command: str = "python -m benchmarks.ben
     args = p.parse_args(argv)
     try:
         run(args.scenarios, args.out, quick=args.quick, only=args.only, measured=not args.no_measured,
-            steps=args.steps, command=command + (" --quick" if args.quick else ""))
+            steps=args.steps, command=command + (" --quick" if args.quick else ""), targets=args.targets)
     except AutoplanError as e:
         print(f"{command}: error: {e}", file=sys.stderr)
         return 2

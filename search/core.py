@@ -26,7 +26,7 @@ from dataclasses import replace
 from autoplan.cluster import Cluster
 from autoplan.errors import ConfigError, NoPlanFitsError
 from autoplan.models.spec import ModelSpec
-from autoplan.plan import DeviceGroup
+from autoplan.plan import DeviceGroup, Plan, Stage
 from autoplan.units import GiB
 from costmodel import estimate as full_estimate
 from search.bounds import Bounds
@@ -48,7 +48,28 @@ def search(model: ModelSpec, cluster: Cluster, global_batch: int, **constraints)
     if not isinstance(global_batch, int) or isinstance(global_batch, bool) or global_batch < 1:
         raise ConfigError("global_batch", f"must be a positive integer, got {global_batch!r}")
     c = Constraints.build(**constraints)
+    engine = c.engine()
+    if engine.name != "autoplan":
+        # The engine trains in the dtype the devices have (fp16 where a device lacks bf16,
+        # fp32 where the engine has no fp16): plan and estimate in that dtype.
+        dtype = engine.dtype_for(cluster, model.dtype)
+        if dtype != model.dtype and model.config is not None:
+            from autoplan.models import from_config
+            model = from_config(model.config, dtype)
+        refusal = model_violation(model, engine)
+        if refusal is not None:
+            raise refusal
     return _Search(model, cluster, global_batch, c).run()
+
+
+def model_violation(model: ModelSpec, engine) -> ConfigError | None:
+    """Why ``engine`` cannot train ``model`` at all (whatever the plan), or None."""
+    from autoplan.engines import violation
+    from autoplan.plan import Stage
+    one = Plan(groups=(DeviceGroup(ranks=(0,), tp=1),), stages=(Stage(0, model.num_layers, 0),),
+               micro_batch=1, num_micro_batches=1, dtype=model.dtype, model=model.name, seq_len=model.seq_len)
+    err = violation(one, engine, model)
+    return err if err is not None and err.field == "model" else None
 
 
 PLACEMENT_MICRO_BATCHES = 2
@@ -75,6 +96,8 @@ class _Search:
         self.modes = c.recompute
         self.bounds = Bounds(self.tables, self.modes, global_batch)
         self.refine_left = c.refine_evaluations
+        self.engine = c.engine()
+        self.restricted = self.engine.name != "autoplan"
 
     # ------------------------------------------------------------ options
     def tp_options(self) -> list[int]:
@@ -120,10 +143,29 @@ class _Search:
         z3 = dp > 1 and 3 in zeros
         for b, m, sched, v in self._pipelinings(P, dp):
             for sp in sps:
-                if low:
-                    yield Setting(b, m, sched, v, low[-1], sp), low
-                if z3:
-                    yield Setting(b, m, sched, v, 3, sp), (3,)
+                base = Setting(b, m, sched, v, 0, sp)
+                ok_low = tuple(z for z in low if self._runs_on_target(sk, replace(base, zero=z)))
+                if ok_low:
+                    yield replace(base, zero=ok_low[-1]), ok_low
+                if z3 and self._runs_on_target(sk, replace(base, zero=3)):
+                    yield replace(base, zero=3), (3,)
+
+    def _runs_on_target(self, sk: Skeleton, st: Setting) -> bool:
+        """The target engine can run this mesh and setting (the split and recomputation are
+        decided later, under the engine's rules for those); counts what it cannot."""
+        if not self.restricted:
+            return True
+        from autoplan.engines import partition_uniform, violation
+        S = sk.pp * st.virtual_stages
+        if S > self.L:
+            return True   # no split exists; the splitter says so
+        cuts = partition_uniform(self.L, S)
+        probe = Candidate(sk, st, tuple(zip(cuts, cuts[1:])), (self.modes[0],) * S).to_plan(self.model, self.dtype)
+        err = violation(probe, self.engine, self.model, self.cluster)
+        if err is None or err.field.startswith("stages"):
+            return True
+        self.stats.excluded_by_target += 1
+        return False
 
     def _pipelinings(self, P: int, dp: int):
         """(micro-batch, micro-batches, schedule, virtual stages) a pipeline of depth P
@@ -166,17 +208,22 @@ class _Search:
         keys = [(dp, b) for dp in self.dp_options() for b in self.mb_options(dp)[:PLACEMENT_MICRO_BATCHES]]
         self.progress.phase("placement", len(keys))
         max_pp = max(self.pp_options()) if self.pp_options() else 0
+        # An engine with one tensor-parallel size per job gets pipelines of one degree each.
+        tp_sets = [[t] for t in self.tp_options()] if self.engine.uniform_tp and self.restricted \
+            else [self.tp_options()]
         for dp, b in keys:
-            kinds = pool_kinds(self.tables, dp, self.tp_options())
             self.progress.step()
-            if not kinds:
-                continue
-            found = place(self.tables, dp=dp, micro_batch=b, num_micro_batches=self.gb // (dp * b),
-                          sequence_parallel=True in self.c.sequence_parallel, kinds=kinds,
-                          zeros=list(self.c.zero), modes=list(self.modes),
-                          max_stages=min(self.c.max_stages, max_pp), use_all_gpus=self.c.use_all_gpus,
-                          alternatives=self.c.placement_alternatives,
-                          det_time_limit=self.c.placement_time_limit, seed=self.c.seed, stats=pstats)
+            found = []
+            for tps in tp_sets:
+                kinds = pool_kinds(self.tables, dp, tps)
+                if not kinds:
+                    continue
+                found += place(self.tables, dp=dp, micro_batch=b, num_micro_batches=self.gb // (dp * b),
+                               sequence_parallel=True in self.c.sequence_parallel, kinds=kinds,
+                               zeros=list(self.c.zero), modes=list(self.modes),
+                               max_stages=min(self.c.max_stages, max_pp), use_all_gpus=self.c.use_all_gpus,
+                               alternatives=self.c.placement_alternatives,
+                               det_time_limit=self.c.placement_time_limit, seed=self.c.seed, stats=pstats)
             for sk in found:
                 if self.c.pp is not None and sk.pp not in self.c.pp:
                     continue
@@ -244,6 +291,7 @@ class _Search:
             self.progress.close()
         stats.total_s = time.perf_counter() - t_start
         return SearchResult(ranked=ranked, stats=stats, cluster=self.cluster, model_name=self.model.name,
+                            target=self.engine.name, stack=self.options.stack.name,
                             global_batch=self.gb)
 
     def _count(self, sk: Skeleton) -> int:
@@ -331,16 +379,41 @@ class _Search:
         return sorted(((-t, -o, cand) for t, o, cand in shortlist), key=lambda x: (x[0], x[1]))
 
     def _split(self, sk: Skeleton, st: Setting, limit: float, threshold: float = INF):
-        """(split, analysis) of the best fitting split found, or None. Interleaved chunks
-        share their group's memory, so their DP works on per-chunk targets and the exact
-        joint peak decides; the group-balanced split competes with the DP's."""
-        if st.virtual_stages == 1:
-            tries = [lambda: self.splitter.split(sk, st, self.modes, period_limit=limit)]
-        else:
-            tries = [lambda: self.splitter.split(sk, st, self.modes, period_limit=limit, joint=True),
-                     lambda: self.splitter.balanced_interleave(sk, st, self.modes)]
+        """(split, analysis) of the best fitting split the target engine can run, or None:
+        engines with one recomputation setting get the best split per mode, and an engine
+        that fixes the split (DeepSpeed's uniform partition) gets only that split."""
+        e = self.engine
+        if not self.restricted:
+            return self._split_modes(sk, st, limit, threshold, self.modes)
+        S = sk.pp * st.virtual_stages
         best = None
-        for attempt in (tries, [lambda: self.splitter.split(sk, st, self.modes, period_limit=limit)]):
+        for mode in (self.modes if e.uniform_recompute else (None,)):
+            modes = (mode,) if mode is not None else self.modes
+            if e.split == "uniform-units" and sk.pp > 1:
+                from autoplan.engines import partition_uniform
+                cuts = partition_uniform(self.L, S)
+                bounds = tuple(zip(cuts, cuts[1:]))
+                analysis, _ = analyze(self.tables, sk, st, bounds, modes * S)
+                found = (Split(bounds=bounds, recompute=modes * S, period=0.0, total=0.0), analysis) \
+                    if analysis.fits else None
+            else:
+                found = self._split_modes(sk, st, limit, threshold, modes)
+            if found is not None and (best is None or found[1].time_s < best[1].time_s):
+                best = found
+        return best
+
+    def _split_modes(self, sk: Skeleton, st: Setting, limit: float, threshold: float, modes: tuple[str, ...]):
+        """(split, analysis) of the best fitting split found with per-stage recompute from
+        ``modes``, or None. Interleaved chunks share their group's memory, so their DP works
+        on per-chunk targets and the exact joint peak decides; the group-balanced split
+        competes with the DP's."""
+        if st.virtual_stages == 1:
+            tries = [lambda: self.splitter.split(sk, st, modes, period_limit=limit)]
+        else:
+            tries = [lambda: self.splitter.split(sk, st, modes, period_limit=limit, joint=True),
+                     lambda: self.splitter.balanced_interleave(sk, st, modes)]
+        best = None
+        for attempt in (tries, [lambda: self.splitter.split(sk, st, modes, period_limit=limit)]):
             for make in attempt:
                 split = make()
                 if split is None:
@@ -354,7 +427,7 @@ class _Search:
             # Chunks share one memory and the DPs' per-chunk budgets are conservative: the
             # leanest split (balanced for memory instead of time) may still fit exactly.
             for joint in (True, False):
-                split = self.splitter.split(sk, st, self.modes, objective="memory", joint=joint)
+                split = self.splitter.split(sk, st, modes, objective="memory", joint=joint)
                 if split is not None:
                     analysis, _ = analyze(self.tables, sk, st, split.bounds, split.recompute)
                     if analysis.fits:
@@ -362,16 +435,18 @@ class _Search:
                         break
         if best is not None and simulated(st, sk.pp) and program_actions(st, sk.pp) <= REFINE_ACTIONS \
                 and self.refine_left > 0 and best[1].time_s < REFINE_WINDOW * threshold:
-            best = self._refine(sk, st, *best)
+            best = self._refine(sk, st, *best, modes=modes)
         return best
 
-    def _refine(self, sk: Skeleton, st: Setting, split: Split, analysis, budget: int = 200):
+    def _refine(self, sk: Skeleton, st: Setting, split: Split, analysis, budget: int = 200,
+                modes: tuple[str, ...] | None = None):
         """Local search around the DP's split for short programs, which are timed by exact
         simulation: there the fill and drain, which the DP's period-first objective only
         approximates, decide. Moves: shift a run of consecutive stage boundaries by one
         unit (one boundary, or several together, which moves a unit across stages), or
         change one stage's recompute mode; take the first improving move, repeat
         (deterministic)."""
+        modes = modes or modes
         bounds, rec = list(split.bounds), list(split.recompute)
         best_t = analysis.time_s
         tried = 0
@@ -387,15 +462,15 @@ class _Search:
             # A unit crossing a boundary can change what the two stages must recompute.
             for j in range(len(cuts)):
                 for d in (-1, 1):
-                    for m1 in self.modes:
-                        for m2 in self.modes:
+                    for m1 in modes:
+                        for m2 in modes:
                             if (m1, m2) != (rec[j], rec[j + 1]):
                                 moves.append(("shift+modes", (j, m1, m2), d))
             for j in range(len(bounds)):
-                for mode in self.modes:
+                for mode in modes:
                     if mode != rec[j]:
                         moves.append(("mode", j, mode))
-            for mode in self.modes:
+            for mode in modes:
                 if any(r != mode for r in rec):
                     moves.append(("all", None, mode))
             for kind, j, arg in moves:
@@ -438,6 +513,11 @@ class _Search:
                 break
             used += actions
             plan = cand.to_plan(self.model, self.dtype)
+            if self.restricted:
+                from autoplan.engines import violation
+                if violation(plan, self.engine, self.model, self.cluster) is not None:
+                    self.stats.excluded_by_target += 1
+                    continue
             est = full_estimate(self.model, self.cluster, plan, self.options)
             self.stats.estimates += 1
             self.progress.step()
@@ -529,5 +609,8 @@ class _Search:
             lines.append("Not even one layer fits on the devices under any setting in the search space.")
             fixes.append("GPUs with more memory")
             fixes.append("a shorter sequence")
+        if self.restricted:
+            lines.append(f"Only plans {self.engine.title} {self.engine.version} can run were searched "
+                         "(search --for autoplan searches them all).")
         lines.append("To make one fit, try " + ", or ".join(fixes) + ".")
         return " ".join(lines)

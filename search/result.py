@@ -63,6 +63,8 @@ class SearchStats:
     """Shortlisted plans the full estimate found over memory (should stay 0)."""
     tight_fallback: bool = False
     """No plan fit with the memory margin free; the search then took plans that fit at all."""
+    excluded_by_target: int = 0
+    """Candidates dropped because the target engine cannot run them (``target=``)."""
     placement: PlacementStats | None = None
     """CP-SAT placement statistics (heterogeneous clusters only)."""
     phase_s: dict[str, float] = field(default_factory=dict)
@@ -76,7 +78,8 @@ class SearchStats:
                  f"in {self.total_s:.2f} s ({phases})",
                  f"  pruned: {self.pruned_memory_bound:,} by memory bound, {self.pruned_time_bound:,} by time "
                  f"bound, {self.pruned_no_split:,} with no fitting split; {self.splits:,} DP splits, "
-                 f"{self.estimates} full estimates"]
+                 f"{self.estimates} full estimates"
+                 + (f"; {self.excluded_by_target:,} the target engine cannot run" if self.excluded_by_target else "")]
         if self.tight_fallback:
             lines.append("  no plan leaves the memory margin free: the plans below fit, but tightly")
         if self.placement is not None:
@@ -118,6 +121,10 @@ class SearchResult:
     """Model searched."""
     global_batch: int
     """Samples per iteration."""
+    target: str = "autoplan"
+    """Engine the plans were searched for (see autoplan.engines)."""
+    stack: str = "autoplan"
+    """Training stack the cost model assumed."""
 
     @property
     def best(self) -> RankedPlan:

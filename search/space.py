@@ -6,7 +6,7 @@
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 from autoplan.errors import ConfigError, closest
@@ -67,12 +67,22 @@ class Constraints:
     """Measured layer profiles passed to the cost model (None: catalog roofline)."""
     stack: Any = None
     """Training stack the plans will run on (name, path or ``autoplan.stacks.Stack``; None:
-    the options' stack, else 'autoplan')."""
+    the options' stack, else the target engine's stack, 'autoplan' for autoplan)."""
     calibration: Any = None
     """``costmodel.calibration.Calibration`` fitted on measured runs (None: defaults)."""
     options: Any = None
     """``costmodel.EstimateOptions`` for every estimate (None: the cost model's defaults);
     ``profiles``, when given, overrides its ``profiles`` field."""
+    target: str = "autoplan"
+    """Engine the plans must run on ('autoplan', 'megatron', 'deepspeed', 'torchtitan'): only
+    plans it can express are searched (see autoplan.engines), in the dtype its devices allow."""
+    engine_version: str | None = None
+    """Release of the target engine (None: its current one; torchtitan: '0.3' or '0.2')."""
+
+    def engine(self):
+        """The target engine."""
+        from autoplan.engines import get_engine
+        return get_engine(self.target, self.engine_version)
 
     @classmethod
     def build(cls, **kwargs) -> "Constraints":
@@ -127,6 +137,10 @@ class Constraints:
                 if not isinstance(v, (int, float)) or isinstance(v, bool) or v <= 0:
                     raise ConfigError(k, f"must be a positive number of seconds, got {v!r}")
                 out[k] = float(v)
+            elif k in ("target", "engine_version"):
+                if v is not None and not isinstance(v, str):
+                    raise ConfigError(k, f"must be a string, got {v!r}")
+                out[k] = v if v is not None or k == "engine_version" else "autoplan"
             elif k in ("use_all_gpus", "progress"):
                 if not isinstance(v, bool):
                     raise ConfigError(k, f"must be True or False, got {v!r}")
@@ -150,7 +164,18 @@ class Constraints:
         for k in ("schedules", "recompute", "zero", "sequence_parallel"):
             if k in out and not out[k]:
                 raise ConfigError(k, "must allow at least one value")
-        return cls(**out)
+        c = cls(**out)
+        engine = c.engine()   # validates target and engine_version
+        # The engine's own limits narrow the space; what the caller allowed must meet them.
+        narrowed = {}
+        for k, allowed in engine.constraints().items():
+            mine = getattr(c, k)
+            kept = tuple(x for x in (mine if mine is not None else allowed) if x in allowed)
+            if not kept:
+                raise ConfigError(k, f"allows only {list(mine)}, none of which {engine.title} {engine.version} "
+                                  f"runs", f"{engine.title} runs {list(allowed)}")
+            narrowed[k] = kept
+        return replace(c, **narrowed)
 
     def estimate_options(self):
         """The cost model's options for this search."""
@@ -159,6 +184,9 @@ class Constraints:
         from costmodel import EstimateOptions
         opts = self.options or EstimateOptions()
         changes = {k: getattr(self, k) for k in ("profiles", "stack", "calibration") if getattr(self, k) is not None}
+        if self.stack is None and self.options is None and self.target != "autoplan":
+            from autoplan.stacks import TARGET_STACKS, get_stack
+            changes["stack"] = get_stack(TARGET_STACKS[self.target])   # the engine's own stack
         if "stack" in changes:
             # A new stack brings its own overlap and send behaviour.
             changes.update(overlap_grad_reduce=None, blocking_p2p=None)

@@ -192,5 +192,9 @@ def test_small_scenario_end_to_end(tmp_path):
     text = (tmp_path / "report" / "report.md").read_text()
     assert "the searched plan is at least as fast as every baseline that fits" in text
     assert "Not run (`--no-measured`)" in text
+    # Per engine: the plan searched for it against its own rule (torchtitan builds no GPT).
+    section = text.split("## Per engine")[1].split("\n## ")[0]
+    assert "| small | Megatron-LM" in section and "| small | DeepSpeed 0.19.8" in section
+    assert "gpt model, which torchtitan does not build" in section
     for png in ("speedup.png", "search_time.png", "small-timeline.png", "small-memory.png"):
         assert (tmp_path / "report" / png).read_bytes()[:8] == PNG_MAGIC, png

@@ -20,6 +20,10 @@ LLAMA3_8B = {
     "pretraining_tp": 1, "rms_norm_eps": 1e-05, "rope_scaling": None, "rope_theta": 500000.0,
     "tie_word_embeddings": False, "torch_dtype": "bfloat16", "vocab_size": 128256,
 }
+# meta-llama/Llama-3.1-8B: the same shapes with Llama 3.1's rotary scaling and 128k positions.
+LLAMA31_8B = {**LLAMA3_8B, "max_position_embeddings": 131072,
+              "rope_scaling": {"factor": 8.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
+                               "original_max_position_embeddings": 8192, "rope_type": "llama3"}}
 MIXTRAL_8X7B = {
     "architectures": ["MixtralForCausalLM"], "hidden_act": "silu", "hidden_size": 4096,
     "intermediate_size": 14336, "max_position_embeddings": 32768, "model_type": "mixtral",
@@ -58,14 +62,17 @@ PYTHIA_160M = {
 
 # case -> (config.json, overrides, preset it must equal (or None), expected fields)
 GOOD = {
-    "llama3-8b": (LLAMA3_8B, {"seq_len": 8192}, "llama3-8b", {}),
-    "llama3-8b-default-seq": (LLAMA3_8B, {}, None, dict(seq_len=4096, kv_heads=8, arch="llama")),
+    "llama3.1-8b": (LLAMA31_8B, {"seq_len": 8192}, "llama3-8b", dict(rope_scaling_factor=8.0)),
+    "llama3-8b-default-seq": (LLAMA3_8B, {}, None, dict(seq_len=4096, kv_heads=8, arch="llama",
+                                                       rope_theta=500000.0, rope_scaling_factor=None,
+                                                       norm_eps=1e-5, qkv_bias=False)),
     "mixtral-8x7b": (MIXTRAL_8X7B, {}, "mixtral-8x7b", dict(seq_len=4096)),
     "gpt2": (GPT2, {}, "gpt2-small", dict(tie_embeddings=True, ffn_hidden=3072, max_positions=1024)),
-    "bert-base": (BERT_BASE, {}, "bert-base", dict(causal=False, tie_embeddings=True)),
+    "bert-base": (BERT_BASE, {}, "bert-base", dict(causal=False, tie_embeddings=True, norm_eps=1e-12)),
     "mistral-7b": (MISTRAL_7B, {}, None, dict(arch="llama", kv_heads=8, ffn_hidden=14336)),
     "qwen2-0.5b": (QWEN2_0_5B, {}, None, dict(hidden=896, heads=14, kv_heads=2, head_dim=64,
-                                              tie_embeddings=True, vocab=151936)),
+                                              tie_embeddings=True, vocab=151936, qkv_bias=True,
+                                              bias=False, rope_theta=10000.0)),
     "pythia-160m": (PYTHIA_160M, {}, None, dict(arch="gpt", position="rope", seq_len=2048,
                                                 tie_embeddings=False)),
     "explicit-head-dim": ({**MISTRAL_7B, "head_dim": 64}, {}, None, dict(head_dim=64, heads=32)),
@@ -113,6 +120,11 @@ BAD = {
     "one-expert": ({**MIXTRAL_8X7B, "num_local_experts": 1}, "num_local_experts", ">= 2"),
     "top-k-over-experts": ({**MIXTRAL_8X7B, "num_experts_per_tok": 9}, "num_experts_per_tok",
                            "1..num_experts=8"),
+    "unknown-rope-scaling": ({**LLAMA3_8B, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_scaling",
+                             "'yarn' is not supported"),
+    "negative-rope-factor": ({**LLAMA31_8B, "rope_scaling": {"rope_type": "llama3", "factor": -1}},
+                             "rope_scaling.factor", "> 0"),
+    "zero-norm-eps": ({**LLAMA3_8B, "rms_norm_eps": 0}, "rms_norm_eps", "> 0"),
     "not-an-object": ("[1, 2]", "config.json", "expected an object"),
     "bad-json-file": ("{\"model_type\": \"llama\",", "config.json", "not valid JSON"),
     "not-json-at-all": ("model_type = llama", "config.json", "not valid JSON"),

@@ -44,5 +44,5 @@ def register(sub) -> None:
 def run(args) -> int:
     bench = _bench_module()
     bench.run(args.scenarios, args.out, quick=args.quick, only=args.only, measured=not args.no_measured,
-              steps=args.steps, command="autoplan bench" + (" --quick" if args.quick else ""))
+              steps=args.steps, command="autoplan bench" + (" --quick" if args.quick else ""), targets=args.targets)
     return 0

@@ -38,6 +38,13 @@ def register(sub) -> None:
     g.add_argument("--zero", type=_ints, default=None, help="ZeRO stages, e.g. 0,1 (default: 0-3)")
     g.add_argument("--no-sequence-parallel", action="store_true", help="never use sequence parallelism")
     g.add_argument("--use-all-gpus", action="store_true", help="only plans that use every GPU")
+    e = p.add_argument_group("target engine")
+    from autoplan.engines import ENGINE_NAMES
+    e.add_argument("--for", dest="target", default="autoplan", choices=ENGINE_NAMES,
+                   help="search only plans this engine can run, with its stack unless --stack says otherwise "
+                        "(default: autoplan's own runtime)")
+    e.add_argument("--engine-version", default=None,
+                   help="release of the --for engine (torchtitan: 0.3, the default, or 0.2)")
     add_cost_model_args(p)
     p.set_defaults(func=run)
 
@@ -48,6 +55,9 @@ def run(args) -> int:
     from search import search
 
     cluster = Cluster.load(args.cluster)
+    if args.stack is None and args.target != "autoplan":
+        from autoplan.stacks import TARGET_STACKS
+        args.stack = TARGET_STACKS[args.target]   # the engine's stack unless --stack says otherwise
     options = cost_model_options(args)
     model = load_model(args)
     constraints = {"progress": not args.no_progress and not args.json, "options": options}
@@ -59,6 +69,9 @@ def run(args) -> int:
         constraints["sequence_parallel"] = [False]
     if args.use_all_gpus:
         constraints["use_all_gpus"] = True
+    constraints["target"] = args.target
+    if args.engine_version:
+        constraints["engine_version"] = args.engine_version
     try:
         result = search(model, cluster, args.global_batch, **constraints)
     except NoPlanFitsError as e:
@@ -69,7 +82,7 @@ def run(args) -> int:
         best.plan.save(args.out, extra={"estimate": best.estimate.to_dict()})
     if args.json:
         print(json.dumps({"model": model.name, "cluster": cluster.name, "global_batch": args.global_batch,
-                          "stack": options.stack.name,
+                          "target": result.target, "stack": options.stack.name,
                           "ranked": [{"rank": rp.rank, "plan": rp.plan.to_dict(),
                                       "estimate": rp.estimate.to_dict(), "gpus_used": rp.gpus_used}
                                      for rp in result.ranked[:args.top_k]],
@@ -79,6 +92,10 @@ def run(args) -> int:
     print(f"model {model.describe()}")
     print(f"cluster {cluster.name}: {cluster.num_gpus} GPUs, global batch {args.global_batch}; "
           f"stack {options.stack.name}" + (", calibrated" if options.calibration else ""))
+    if result.target != "autoplan":
+        from autoplan.engines import get_engine
+        eng = get_engine(result.target, args.engine_version)
+        print(f"plans {eng.title} {eng.version} can run (autoplan export --to {eng.name})")
     print()
     print(result.table(args.top_k))
     print()

@@ -65,6 +65,17 @@ class TransformerConfig:
     saves the score matrix as Megatron-LM did before FlashAttention)."""
     max_positions: int | None = None
     """Learned position table size; None = seq_len."""
+    rope_theta: float | None = None
+    """Rotary base (the period scale of the position angles); None = 10000, RoFormer's value.
+    Llama 3 uses 500000, Mixtral 1000000."""
+    rope_scaling_factor: float | None = None
+    """Llama-3.1-style rotary frequency scaling factor (low frequencies stretched by it,
+    original context 8192, low/high frequency factors 1 and 4); None = no scaling."""
+    qkv_bias: bool | None = None
+    """The q/k/v projections carry biases even where other linears do not (Qwen2);
+    None = same as ``bias``."""
+    norm_eps: float = 1e-5
+    """Epsilon of every LayerNorm/RMSNorm."""
     fused_norm: bool = True
     """RMSNorm runs as one fused GPU kernel saving the bf16 input and rstd (PyTorch >= 2.8 on
     CUDA, Apex, Transformer Engine); False = the eager fp32 decomposition, which saves fp32
@@ -94,6 +105,7 @@ class TransformerConfig:
             kv_heads=c.heads,
             head_dim=c.hidden // c.heads if c.hidden % c.heads == 0 else None,
             max_positions=c.seq_len,
+            qkv_bias=c.bias if c.bias is not None else not llama_like,
         )
         updates = {k: v for k, v in defaults.items() if getattr(c, k) is None}
         c = dataclasses.replace(c, **updates)
@@ -121,6 +133,15 @@ class TransformerConfig:
                 raise ConfigError("num_experts", f"an moe model needs >= 2 experts, got {c.num_experts}")
             if not 1 <= c.top_k <= c.num_experts:
                 raise ConfigError("top_k", f"must be in 1..num_experts={c.num_experts}, got {c.top_k}")
+        for name in ("rope_theta", "rope_scaling_factor", "norm_eps"):
+            v = getattr(c, name)
+            if v is not None and (not isinstance(v, (int, float)) or isinstance(v, bool) or v <= 0):
+                raise ConfigError(name, f"must be a positive number, got {v!r}")
+        if c.position != "rope" and (c.rope_theta is not None or c.rope_scaling_factor is not None):
+            raise ConfigError("rope_theta", f"is set but the model uses {c.position!r} positions",
+                              "drop rope_theta / rope_scaling_factor or use position='rope'")
+        if c.position == "rope" and c.rope_theta is None:
+            c = dataclasses.replace(c, rope_theta=10000.0)
         if c.position == "learned" and c.max_positions < c.seq_len:
             raise ConfigError("seq_len", f"{c.seq_len} exceeds the learned position table "
                               f"({c.max_positions})", "raise max_positions or shorten seq_len")

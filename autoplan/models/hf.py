@@ -1,8 +1,8 @@
 """Read a HuggingFace ``config.json`` into a :class:`TransformerConfig`, without transformers.
 
-Only the fields that fix shapes are read; everything else (dropout, eps, rope scaling,
-activation names) is ignored because it changes no parameter, FLOP or activation byte
-that the planner models. Every problem is a ConfigError naming the offending field.
+The fields that fix shapes are read, and the facts an exported engine config must carry
+(rotary base and Llama-3.1 scaling, norm epsilon, q/k/v biases); the rest (dropout,
+activation names, ...) is ignored. Every problem is a ConfigError naming the offending field.
 """
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ trained mostly at a few thousand tokens, and planning at 128k is rarely what is 
 _FAMILY: dict[str, tuple[str, str, bool]] = {
     "llama": ("llama", "rope", False),
     "mistral": ("llama", "rope", False),
-    "qwen2": ("llama", "rope", False),   # q/k/v biases ignored (< 0.01% of parameters)
+    "qwen2": ("llama", "rope", False),   # with q/k/v biases (qkv_bias)
     "mixtral": ("moe", "rope", False),
     "gpt_neox": ("gpt", "rope", False),  # parallel residual and partial rotary ignored
     "gpt2": ("gpt", "learned", True),
@@ -90,10 +90,11 @@ def config_from_hf(source: str | os.PathLike | Mapping, **overrides: Any) -> Tra
         max_positions = r.int("max_position_embeddings", minimum=1)
     # A label for reports: the hub id if saved with one, else the model's directory name.
     name = r.str("_name_or_path", "") or (path.resolve().parent.name if path else "") or model_type
+    facts = _facts(r, model_type, position)
     cfg = TransformerConfig(
         name=name, arch=arch, seq_len=min(max_positions, DEFAULT_MAX_SEQ_LEN), position=position,
         max_positions=max_positions if position == "learned" else None,
-        tie_embeddings=r.bool("tie_word_embeddings", tie_default), **fields)
+        tie_embeddings=r.bool("tie_word_embeddings", tie_default), **fields, **facts)
     cfg = apply_overrides(cfg, overrides)
     try:
         return cfg.resolved()
@@ -103,3 +104,34 @@ def config_from_hf(source: str | os.PathLike | Mapping, **overrides: Any) -> Tra
         # Cross-field problems (heads not dividing hidden, ...) are reported against the
         # file's own key, which is what the user has to edit.
         raise ConfigError(r.path(keys.get(e.field, e.field)), e.problem, e.fix) from None
+
+
+_EPS_KEYS = ("rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon")
+
+
+def _facts(r: FieldReader, model_type: str, position: str) -> dict:
+    """Rotary base and scaling, norm epsilon and q/k/v biases, where the file states them."""
+    out: dict = {}
+    if position == "rope":
+        theta = r.float("rope_theta", None, positive=True)
+        if theta is not None:
+            out["rope_theta"] = float(theta)
+        scaling = r.raw("rope_scaling", None)
+        if isinstance(scaling, Mapping):
+            kind = scaling.get("rope_type", scaling.get("type"))
+            if kind != "llama3":
+                raise ConfigError(r.path("rope_scaling"), f"rope scaling {kind!r} is not supported",
+                                  "only Llama 3.1's 'llama3' scaling is")
+            out["rope_scaling_factor"] = FieldReader(scaling, r.path("rope_scaling")).float("factor", positive=True)
+        elif scaling is not None:
+            raise ConfigError(r.path("rope_scaling"), f"must be an object or null, got {scaling!r}")
+    for key in _EPS_KEYS:
+        eps = r.float(key, None, positive=True)
+        if eps is not None:
+            out["norm_eps"] = float(eps)
+            break
+    if model_type == "qwen2":
+        out["qkv_bias"] = True   # Qwen2's attention always has q/k/v biases
+    elif r.has("attention_bias"):
+        out["qkv_bias"] = r.bool("attention_bias")
+    return out

@@ -30,9 +30,12 @@ def _llama(name: str, layers: int, hidden: int, heads: int, kv_heads: int, ffn: 
 
 def _bert(name: str, layers: int, hidden: int, heads: int, **kw: Any) -> TransformerConfig:
     # BERT ties its MLM decoder to the word embeddings (Devlin et al. 2019).
+    # ... and its LayerNorms use eps 1e-12 (google-bert config.json "layer_norm_eps").
     return TransformerConfig(name=name, arch="bert", layers=layers, hidden=hidden, heads=heads,
-                             seq_len=512, vocab=30522, tie_embeddings=True, **kw)
+                             seq_len=512, vocab=30522, tie_embeddings=True, norm_eps=1e-12, **kw)
 
+
+_LLAMA31_ROPE = dict(rope_theta=500000.0, rope_scaling_factor=8.0)
 
 _ALL: list[ModelConfig] = [
     # GPT-2 (Radford et al. 2019): vocab 50257, context 1024.
@@ -57,20 +60,22 @@ _ALL: list[ModelConfig] = [
     _llama("llama2-7b", 32, 4096, 32, 32, 11008, 32000, 4096),
     _llama("llama2-13b", 40, 5120, 40, 40, 13824, 32000, 4096),
     _llama("llama2-70b", 80, 8192, 64, 8, 28672, 32000, 4096),
-    # Llama 3 / 3.1 (Grattafiori et al. 2024, Table 3): vocab 128256, 8 kv heads.
-    # Llama 3.2 1B (Meta 2024 model card): 16 layers, tied input/output embeddings.
-    _llama("llama3.2-1b", 16, 2048, 32, 8, 8192, 128256, 8192, tie_embeddings=True),
-    _llama("llama3-8b", 32, 4096, 32, 8, 14336, 128256, 8192),
-    _llama("llama3-70b", 80, 8192, 64, 8, 28672, 128256, 8192),
-    _llama("llama3-405b", 126, 16384, 128, 8, 53248, 128256, 8192),
+    # Llama 3 / 3.1 (Grattafiori et al. 2024, Table 3): vocab 128256, 8 kv heads, RoPE base
+    # 500000; the released 3.1 checkpoints (config.json "rope_scaling": llama3, factor 8) and
+    # Llama 3.2 1B (Meta 2024 model card: 16 layers, tied embeddings) use Llama 3.1's scaling.
+    _llama("llama3.2-1b", 16, 2048, 32, 8, 8192, 128256, 8192, tie_embeddings=True, **_LLAMA31_ROPE),
+    _llama("llama3-8b", 32, 4096, 32, 8, 14336, 128256, 8192, **_LLAMA31_ROPE),
+    _llama("llama3-70b", 80, 8192, 64, 8, 28672, 128256, 8192, **_LLAMA31_ROPE),
+    _llama("llama3-405b", 126, 16384, 128, 8, 53248, 128256, 8192, **_LLAMA31_ROPE),
     # BERT (Devlin et al. 2019): vocab 30522 (uncased WordPiece), 512 positions.
     _bert("bert-base", 12, 768, 12),
     _bert("bert-large", 24, 1024, 16),
     # Mixtral 8x7B (Jiang et al. 2024): Mistral-7B attention, 8 SwiGLU experts, top-2.
     # Expert-choice routing (see zoo.transformer.MoE) has exactly Mixtral's parameters.
+    # RoPE base 1e6 (mistralai/Mixtral-8x7B-v0.1 config.json "rope_theta").
     TransformerConfig(name="mixtral-8x7b", arch="moe", layers=32, hidden=4096, heads=32,
                       kv_heads=8, ffn_hidden=14336, num_experts=8, top_k=2, vocab=32000,
-                      seq_len=4096),
+                      seq_len=4096, rope_theta=1e6),
     # Swin (Liu et al. 2021, Sec. 3.3): ImageNet-1k classifiers at 224x224, window 7.
     SwinConfig(name="swin-t", embed_dim=96, depths=(2, 2, 6, 2), heads=(3, 6, 12, 24)),
     SwinConfig(name="swin-b", embed_dim=128, depths=(2, 2, 18, 2), heads=(4, 8, 16, 32)),

@@ -59,11 +59,11 @@ def init_parameters(module: nn.Module) -> None:
                 nn.init.zeros_(m.bias)
 
 
-def make_norm(kind: str, dim: int) -> nn.Module:
+def make_norm(kind: str, dim: int, eps: float = NORM_EPS) -> nn.Module:
     """A LayerNorm or RMSNorm over the last dimension."""
     if kind == "rmsnorm":
-        return nn.RMSNorm(dim, eps=NORM_EPS)
-    return nn.LayerNorm(dim, eps=NORM_EPS)
+        return nn.RMSNorm(dim, eps=eps)
+    return nn.LayerNorm(dim, eps=eps)
 
 
 class MLP(nn.Module):
@@ -100,14 +100,14 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
-def apply_rope(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def apply_rope(q: torch.Tensor, k: torch.Tensor, theta: float = ROPE_THETA) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotary position embedding (Su et al. 2021), half-rotation layout, on [b, heads, s, d].
 
     cos/sin are computed from positions on every call, on the input's device and dtype,
     so there is no buffer to materialise and the same code runs on ``meta``.
     """
     s, d = q.shape[-2], q.shape[-1]
-    inv_freq = 1.0 / (ROPE_THETA ** (torch.arange(0, d, 2, device=q.device, dtype=torch.float32) / d))
+    inv_freq = 1.0 / (theta ** (torch.arange(0, d, 2, device=q.device, dtype=torch.float32) / d))
     angles = torch.outer(torch.arange(s, device=q.device, dtype=torch.float32), inv_freq)
     angles = torch.cat((angles, angles), dim=-1)
     cos, sin = angles.cos().to(q.dtype), angles.sin().to(q.dtype)
@@ -186,9 +186,10 @@ class Attention(nn.Module):
         super().__init__()
         self.head_dim = cfg.head_dim  # fixed under TP; head *counts* come from shapes
         self.rope = cfg.position == "rope"
-        self.wq = nn.Linear(cfg.hidden, cfg.heads * cfg.head_dim, bias=cfg.bias)
-        self.wk = nn.Linear(cfg.hidden, cfg.kv_heads * cfg.head_dim, bias=cfg.bias)
-        self.wv = nn.Linear(cfg.hidden, cfg.kv_heads * cfg.head_dim, bias=cfg.bias)
+        self.rope_theta = cfg.rope_theta
+        self.wq = nn.Linear(cfg.hidden, cfg.heads * cfg.head_dim, bias=cfg.qkv_bias)
+        self.wk = nn.Linear(cfg.hidden, cfg.kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        self.wv = nn.Linear(cfg.hidden, cfg.kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
         self.wo = nn.Linear(cfg.heads * cfg.head_dim, cfg.hidden, bias=cfg.bias)
         # Fused attention's own dropout keeps no mask (it is regenerated from the RNG state);
         # it is left out here, which changes no shape, FLOP or saved byte.
@@ -201,7 +202,7 @@ class Attention(nn.Module):
         k = self.wk(x).view(b, s, -1, self.head_dim).transpose(1, 2)
         v = self.wv(x).view(b, s, -1, self.head_dim).transpose(1, 2)
         if self.rope:
-            q, k = apply_rope(q, k)
+            q, k = apply_rope(q, k, self.rope_theta)
         out = self.core(q, k, v)
         return self.wo(out.transpose(1, 2).reshape(b, s, -1))
 
@@ -263,7 +264,7 @@ class TokenEmbedding(nn.Module):
             self.pos_embeddings = nn.Embedding(cfg.max_positions, cfg.hidden)
         self.post_norm = cfg.arch == "bert"
         if self.post_norm:
-            self.norm = make_norm(cfg.norm, cfg.hidden)
+            self.norm = make_norm(cfg.norm, cfg.hidden, cfg.norm_eps)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         h = self.tok_embeddings(tokens)
@@ -289,9 +290,9 @@ class Block(nn.Module):
     def __init__(self, cfg: TransformerConfig):
         super().__init__()
         self.pre_norm = cfg.arch != "bert"
-        self.attention_norm = make_norm(cfg.norm, cfg.hidden)
+        self.attention_norm = make_norm(cfg.norm, cfg.hidden, cfg.norm_eps)
         self.attention = Attention(cfg)
-        self.mlp_norm = make_norm(cfg.norm, cfg.hidden)
+        self.mlp_norm = make_norm(cfg.norm, cfg.hidden, cfg.norm_eps)
         self.is_moe = cfg.arch == "moe"
         if self.is_moe:
             self.moe = MoE(cfg)
@@ -331,7 +332,7 @@ class Head(nn.Module):
         self.mlm = cfg.arch == "bert"
         if self.mlm:
             self.dense = nn.Linear(cfg.hidden, cfg.hidden, bias=cfg.bias)
-        self.norm = make_norm(cfg.norm, cfg.hidden)
+        self.norm = make_norm(cfg.norm, cfg.hidden, cfg.norm_eps)
         self.output = nn.Linear(cfg.hidden, cfg.vocab, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
