@@ -62,8 +62,10 @@ class Splitter:
         self._time: dict = {}
         self._mem: dict = {}
         self._band: dict = {}
+        self._reserve: dict = {}
+        self._free: dict = {}
         self.runs = 0
-        """DP runs (for the search statistics)."""
+        """DP runs (for the search statistics; splits shared from the cache not counted)."""
 
     # ---------------------------------------------------------- matrices
     def _time_mats(self, sk: Skeleton, g: int, st: Setting) -> np.ndarray:
@@ -141,7 +143,61 @@ class Splitter:
         With v > 1 chunks per group, each chunk gets a share of its group's budget and an
         in-flight count: the most it ever holds (``joint=False``, always sufficient) or its
         count at the group's peak for equal chunks (``joint=True``, tighter; the caller
-        checks the exact joint peak)."""
+        checks the exact joint peak).
+
+        Memory rarely binds where plans are fast, and the split that ignores it (every
+        stage in the fastest mode) depends only on the device kinds, micro-batch, stage
+        count and (for few micro-batches) their number: it is computed once, shared by every
+        data-parallel degree, ZeRO stage and schedule with those, and returned whenever it
+        fits the setting's budgets (it is then feasible for the memory-constrained DP at
+        the least period any split can have). The constrained DP runs only when it does not
+        fit."""
+        if objective == "time":
+            free = self._unconstrained(sk, st, modes)
+            if free is None or free.period > period_limit * (1 + 1e-12):
+                return None
+            if self._fits(sk, st, modes, free, joint):
+                return free
+        return self._split_dp(sk, st, modes, objective, period_limit, joint)
+
+    def _unconstrained(self, sk: Skeleton, st: Setting, modes: tuple[str, ...]) -> Split | None:
+        """The DP's split with unlimited memory and the fastest mode (cached)."""
+        P, v, m = sk.pp, st.virtual_stages, st.num_micro_batches
+        z3 = st.zero >= 3 and sk.dp > 1
+        # Under ZeRO-3 the stage times depend on each group's collectives.
+        comm = tuple((self.tables.dp_affines(g, "all_gather"), self.tables.dp_affines(g, "reduce_scatter"))
+                     for g in sk.groups) if z3 else None
+        sp = st.sequence_parallel and any(k.tp > 1 for k in sk.kinds)
+        key = (sk.kinds, st.micro_batch, sp, v, modes[0], comm, m if m < 4 * P else None)
+        if key not in self._free:
+            self._free[key] = self._split_dp(sk, st, modes[:1], "time", INF, False, unlimited=True)
+        return self._free[key]
+
+    def _fits(self, sk: Skeleton, st: Setting, modes: tuple[str, ...], split: Split, joint: bool) -> bool:
+        """Whether every stage of ``split`` (fastest mode) fits the budget the DP gives it."""
+        P, v = sk.pp, st.virtual_stages
+        qs = [RECOMPUTES.index(x) for x in modes]
+        q = qs[0]
+        fl = inflight(st.schedule, P, st.num_micro_batches, v)
+        counts = fl.joint if joint else fl.per_chunk
+        shares = self._chunk_shares(sk, st, counts)
+        for j, (a, e) in enumerate(split.bounds):
+            g, chunk = j % P, j // P
+            cap = self.tables.capacity(sk.kinds[g].pool) - self.tables.fixed_bytes(sk.kinds[g].pool, sk.groups[g], P)
+            if v == 1:
+                budget = cap
+                base, act = self._mem_mats(sk, g, st)
+            else:
+                budget = (cap - self.tables.dynamic_factor * self._transient_reserve(sk, g, st, qs)) \
+                    * shares[g][chunk]
+                base, act = self._states_mats(sk, g, st)
+            if base[q][a, e] + counts[g][chunk] * act[q][a, e] > budget:
+                return False
+        return True
+
+    def _split_dp(self, sk: Skeleton, st: Setting, modes: tuple[str, ...], objective: str = "time",
+                  period_limit: float = INF, joint: bool = False, unlimited: bool = False) -> Split | None:
+        """The DP itself (see :meth:`split`); ``unlimited`` ignores memory."""
         self.runs += 1
         P, v = sk.pp, st.virtual_stages
         S = P * v
@@ -156,11 +212,11 @@ class Splitter:
             # the limit on the fastest group.
             mats = {id(m): m for m in (self._time_mats(sk, g, st)[qs[0]] for g in range(P))}
             fastest = np.minimum.reduce(list(mats.values()))
-            for d in range(1, K + 1):
-                idx = np.arange(0, L + 1 - d)
-                if fastest[idx, idx + d].min() > period_limit:
-                    K = d - 1
-                    break
+            start_k, valid_k = self._index(K)
+            shortest = np.where(valid_k, fastest[start_k, np.arange(L + 1)[:, None]], INF).min(axis=0)
+            over = np.nonzero(shortest > period_limit)[0]
+            if len(over):
+                K = int(over[0])
             if K < 1:
                 return None
         start, valid = self._index(K)
@@ -173,17 +229,16 @@ class Splitter:
         def band(mats: np.ndarray, fill: float) -> np.ndarray:
             hit = bands.get(id(mats))
             if hit is None:
-                hit = bands[id(mats)] = np.where(valid[None], mats[:, start, ends], fill)
+                hit = bands[id(mats)] = np.where(valid[None], mats[:, start, ends], fill)[qs]
             return hit
 
-        # Per stage: cost[e, d] (inf where it does not fit) and the recompute mode chosen.
-        costs, choices = [], []
+        # Stages on groups with the same matrices are costed together: cost[e, d] (inf
+        # where it does not fit) and the recompute mode chosen, for every stage at once.
+        alike: dict = {}
         for j in range(S):
             g, chunk = j % P, j // P
-            cap = self.tables.capacity(sk.kinds[g].pool)
-            n_inflight = counts[g][chunk]
-            t_band = band(self._time_mats(sk, g, st), INF)
-            cap -= self.tables.fixed_bytes(sk.kinds[g].pool, sk.groups[g], P)
+            cap = self.tables.capacity(sk.kinds[g].pool) - self.tables.fixed_bytes(sk.kinds[g].pool, sk.groups[g], P)
+            time_m = self._time_mats(sk, g, st)
             if v == 1:
                 budget = cap
                 base, act = self._mem_mats(sk, g, st)
@@ -193,24 +248,33 @@ class Splitter:
                 budget = (cap - self.tables.dynamic_factor * self._transient_reserve(sk, g, st, qs)) \
                     * shares[g][chunk]
                 base, act = self._states_mats(sk, g, st)
-            base_band, act_band = band(base, 0.0), band(act, 0.0)
-            best = pick = None
-            for q in qs:
-                need = base_band[q] + n_inflight * act_band[q]
+            entry = alike.setdefault((id(time_m), id(base), id(act)), (time_m, base, act, [], [], []))
+            entry[3].append(j)
+            entry[4].append(counts[g][chunk])
+            entry[5].append(budget)
+        costs: list = [None] * S
+        choices: list = [None] * S
+        q_index = np.array(qs, dtype=np.int8)
+        for time_m, base, act, js, n_inflight, budgets in alike.values():
+            t_band = band(time_m, INF)[None]                     # (1, modes, L + 1, K)
+            if unlimited:
+                val = np.broadcast_to(t_band, (len(js),) + t_band.shape[1:])
+            else:
+                n = np.array(n_inflight, dtype=float)[:, None, None, None]
+                cap_j = np.array(budgets)[:, None, None, None]
+                need = band(base, 0.0)[None] + n * band(act, 0.0)[None]
                 if objective == "memory":
-                    val = np.where(np.isfinite(t_band[q]), need / budget, INF)
+                    val = np.where(np.isfinite(t_band), need / cap_j, INF)
                 else:
-                    val = np.where(need <= budget, t_band[q], INF)
+                    val = np.where(need <= cap_j, t_band, INF)
                     if np.isfinite(period_limit):
                         val = np.where(val <= period_limit, val, INF)
-                if best is None:
-                    best, pick = val, np.full(val.shape, q, dtype=np.int8)
-                    continue
-                better = val < best
-                best = np.where(better, val, best)
-                pick = np.where(better, q, pick)
-            costs.append(best)
-            choices.append(pick)
+            # The first of equal modes wins: the fastest (modes are listed fastest first).
+            arg = val.argmin(axis=1)
+            best = np.take_along_axis(val, arg[:, None], axis=1)[:, 0]
+            for i, j in enumerate(js):
+                costs[j] = best[i]
+                choices[j] = q_index[arg[i]]
         period = _minmax(costs, start, valid, L)
         if period is None:
             return None
@@ -254,11 +318,15 @@ class Splitter:
     def _transient_reserve(self, sk: Skeleton, g: int, st: Setting, qs: list[int]) -> float:
         """The largest transient a unit can cause on group g (the head's only on the group
         that runs the last chunk), under the modes allowed."""
-        t = self.tables.table(sk.kinds[g], st.micro_batch, st.sequence_parallel)
         holds_head = g == (sk.pp * st.virtual_stages - 1) % sk.pp
-        kinds = [l.kind for l in self.tables.model.layers]
-        units = [i for i in range(self.L) if holds_head or kinds[i] != "head"]
-        return float(t.transient[qs][:, units].max())
+        key = (sk.kinds[g], st.micro_batch, st.sequence_parallel, holds_head, tuple(qs))
+        hit = self._reserve.get(key)
+        if hit is None:
+            t = self.tables.table(sk.kinds[g], st.micro_batch, st.sequence_parallel)
+            kinds = [l.kind for l in self.tables.model.layers]
+            units = [i for i in range(self.L) if holds_head or kinds[i] != "head"]
+            hit = self._reserve[key] = float(t.transient[qs][:, units].max())
+        return hit
 
     def _chunk_shares(self, sk: Skeleton, st: Setting, counts) -> list[list[float]]:
         """Share of its group's memory budget each chunk may use. With v chunks per group

@@ -11,7 +11,9 @@ maximum transient), which the tests check plan by plan.
 """
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
+
 import numpy as np
 
 from autoplan.cluster import Cluster
@@ -255,10 +257,19 @@ class Tables:
                 + (stack.dp_buffer_bytes if group.dp > 1 else 0.0) + self._extra_bytes)
 
     # -------------------------------------------------------------- comm
+    def shape(self, ranks) -> tuple:
+        """What ``collective_time`` reads off a group of ranks besides the message size: how
+        many ranks, over how many nodes, the fewest ranks on one node, and the node groups
+        (their links and devices). Groups of one shape cost the same (a test checks it), so
+        the cost model is asked once per shape, not once per group."""
+        slots = self.cluster.slots
+        per_node = Counter(slots[r].node for r in ranks)
+        return (len(ranks), len(per_node), min(per_node.values()), frozenset(slots[r].group for r in ranks))
+
     def affine(self, ranks: tuple[int, ...], kind: str) -> tuple[float, float]:
         """(alpha, beta) with collective_time(ranks, x, kind) == alpha + beta * x for x > 0
         (the alpha-beta model is affine in the message size)."""
-        key = (ranks, kind)
+        key = (self.shape(ranks), kind)
         hit = self._affine.get(key)
         if hit is None:
             # Probe at sizes where neither term swamps the other (cancellation).
@@ -276,12 +287,13 @@ class Tables:
         hit = self._dp_affines.get(key)
         if hit is not None and hit[0] is group:
             return hit[1]
+        if group.dp <= 1:
+            out = ()
         else:
-            hit = () if group.dp <= 1 else tuple(self.affine(tuple(r), kind) for r in group.dp_groups())
             # Identical groups (the usual case) need one evaluation, not tp of them.
-            hit = tuple(sorted(set(hit)))
-            self._dp_affines[key] = (group, hit)
-        return hit
+            out = tuple(sorted({self.affine(tuple(r), kind) for r in group.dp_groups()}))
+        self._dp_affines[key] = (group, out)
+        return out
 
     def dp_collective(self, group: DeviceGroup, nbytes, kind: str):
         """Slowest data-parallel group's collective time (``nbytes`` may be an array)."""
