@@ -59,9 +59,11 @@ REFINE_ACTIONS = 256
 """Refine splits by local search only for programs this short (a few dozen simulations
 of at most this many actions each): there the fill and drain, not the period the DP
 balances, make much of the time."""
-REFINE_WINDOW = 1.1
-"""Refine a split only when its time is within this factor of the shortlist's worst (or the
-shortlist is not full): refining rarely gains more than that."""
+REFINE_WINDOW = 1.03
+"""Refine a split only when its time is within this factor of the best so far (and of the
+shortlist's worst): refining rarely gains more than that."""
+REFINE_MOVES = 60
+"""Moves the refinement of one split may try."""
 
 
 class _Search:
@@ -81,6 +83,8 @@ class _Search:
         """perf_counter() at which the caller's time limit runs out (None: no limit)."""
         self.unplaced_bound = INF
         """A lower bound for the pipelines placement did not get to (time limit)."""
+        self.best_time = INF
+        """Fast-model time of the best candidate so far."""
 
     # ------------------------------------------------------------ options
     def tp_options(self) -> list[int]:
@@ -409,7 +413,8 @@ class _Search:
                     heapq.heapreplace(shortlist, item)
                 else:
                     continue
-                if analysis.time_s <= -max(shortlist)[0]:
+                if analysis.time_s < self.best_time:
+                    self.best_time = analysis.time_s
                     self.progress.incumbent(analysis.time_s)
         # What was left unexplored is bounded below by the heap's smallest item.
         best_time = -max(shortlist)[0] if shortlist else INF
@@ -469,11 +474,11 @@ class _Search:
                         best = (split, analysis)
                         break
         if best is not None and sim and program_actions(st, sk.pp) <= REFINE_ACTIONS \
-                and self.refine_left > 0 and best[1].time_s < REFINE_WINDOW * threshold:
+                and self.refine_left > 0 and best[1].time_s < REFINE_WINDOW * min(threshold, self.best_time):
             best = self._refine(sk, st, *best)
         return best
 
-    def _refine(self, sk: Skeleton, st: Setting, split: Split, analysis, budget: int = 200):
+    def _refine(self, sk: Skeleton, st: Setting, split: Split, analysis, budget: int = REFINE_MOVES):
         """Local search around the DP's split for short programs, which are timed by exact
         simulation: there the fill and drain, which the DP's period-first objective only
         approximates, decide. Moves: shift a run of consecutive stage boundaries by one

@@ -145,14 +145,17 @@ class Splitter:
         count at the group's peak for equal chunks (``joint=True``, tighter; the caller
         checks the exact joint peak).
 
-        Memory rarely binds where plans are fast, and the split that ignores it (every
-        stage in the fastest mode) depends only on the device kinds, micro-batch, stage
+        Memory rarely binds where plans are fast, and on a pipeline of one device kind the
+        split that ignores it (every stage in the fastest mode) depends only on the kind,
+        micro-batch, stage
         count and (for few micro-batches) their number: it is computed once, shared by every
         data-parallel degree, ZeRO stage and schedule with those, and returned whenever it
         fits the setting's budgets (it is then feasible for the memory-constrained DP at
         the least period any split can have). The constrained DP runs only when it does not
         fit."""
-        if objective == "time":
+        if objective == "time" and len(set(sk.kinds)) == 1:
+            # (Pipelines of one device kind share it widely; a mixed pipeline's kinds are
+            # rarely seen twice, so there the constrained DP runs directly.)
             free = self._unconstrained(sk, st, modes)
             if free is None or free.period > period_limit * (1 + 1e-12):
                 return None
@@ -162,13 +165,16 @@ class Splitter:
 
     def _unconstrained(self, sk: Skeleton, st: Setting, modes: tuple[str, ...]) -> Split | None:
         """The DP's split with unlimited memory and the fastest mode (cached)."""
-        P, v, m = sk.pp, st.virtual_stages, st.num_micro_batches
+        v = st.virtual_stages
         z3 = st.zero >= 3 and sk.dp > 1
         # Under ZeRO-3 the stage times depend on each group's collectives.
         comm = tuple((self.tables.dp_affines(g, "all_gather"), self.tables.dp_affines(g, "reduce_scatter"))
                      for g in sk.groups) if z3 else None
         sp = st.sequence_parallel and any(k.tp > 1 for k in sk.kinds)
-        key = (sk.kinds, st.micro_batch, sp, v, modes[0], comm, m if m < 4 * P else None)
+        # On one device kind in one mode every split has the same total work (ZeRO-3's
+        # exposed gathers aside), so the micro-batch count, which only trades period
+        # against total, is left out: the least period wins.
+        key = (sk.kinds, st.micro_batch, sp, v, modes[0], comm)
         if key not in self._free:
             self._free[key] = self._split_dp(sk, st, modes[:1], "time", INF, False, unlimited=True)
         return self._free[key]
@@ -280,7 +286,7 @@ class Splitter:
             return None
         cands = [period]
         m = st.num_micro_batches
-        if objective == "time" and m < 4 * P:
+        if objective == "time" and m < 4 * P and not unlimited:
             # Few micro-batches: the fill (sum of stage times) weighs like a few periods,
             # so a slightly slower period with less total work can win.
             vals = np.unique(np.concatenate([c[np.isfinite(c) & (c > period)] for c in costs]))

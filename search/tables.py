@@ -11,7 +11,6 @@ maximum transient), which the tests check plan by plan.
 """
 from __future__ import annotations
 
-from collections import Counter
 from dataclasses import dataclass
 
 import numpy as np
@@ -132,6 +131,8 @@ class Tables:
         self._extra_bytes = cal.memory_overhead_bytes if cal is not None else 0.0
         self._tables: dict[tuple, LayerTable] = {}
         self._pool_first = [cluster.group_ranks(k).start for k in range(len(cluster.groups))]
+        self._node_of = np.array([slot.node for slot in cluster.slots])
+        self._pool_of = np.array([slot.group for slot in cluster.slots])
         self.built = 0
         """Tables built (for the search statistics)."""
         # Per-instance caches (an lru_cache on methods would keep every search's tables alive).
@@ -262,9 +263,9 @@ class Tables:
         many ranks, over how many nodes, the fewest ranks on one node, and the node groups
         (their links and devices). Groups of one shape cost the same (a test checks it), so
         the cost model is asked once per shape, not once per group."""
-        slots = self.cluster.slots
-        per_node = Counter(slots[r].node for r in ranks)
-        return (len(ranks), len(per_node), min(per_node.values()), frozenset(slots[r].group for r in ranks))
+        idx = np.asarray(ranks)
+        _, per_node = np.unique(self._node_of[idx], return_counts=True)
+        return (len(ranks), len(per_node), int(per_node.min()), frozenset(np.unique(self._pool_of[idx]).tolist()))
 
     def affine(self, ranks: tuple[int, ...], kind: str) -> tuple[float, float]:
         """(alpha, beta) with collective_time(ranks, x, kind) == alpha + beta * x for x > 0
