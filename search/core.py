@@ -381,12 +381,23 @@ class _Search:
                             stats.pruned_memory_bound += len(zeros)
                             self.progress.step(len(zeros))
                             continue
-                        heapq.heappush(heap, (bound, counter, 2, (si, st, zeros)))
+                        heapq.heappush(heap, (bound, counter, 2, (si, st, zeros, False)))
                         counter += 1
                 bounds_s += time.perf_counter() - t
                 continue
-            si, st0, zeros = payload
+            si, st0, zeros, tightened = payload
             sk = skeletons[si]
+            if not tightened:
+                # Before any memory-aware work: every rank runs its m micro-batches one
+                # after another, and some rank holds a stage at least as slow as the least
+                # period any split can have (the memory-free split's, shared widely).
+                t = time.perf_counter()
+                free = self.splitter.free_period(sk, st0, self.modes)
+                tight = max(bound, st0.num_micro_batches * free)
+                bounds_s += time.perf_counter() - t
+                if tight > bound:
+                    heapq.heappush(heap, (tight, cnt, 2, (si, st0, zeros, True)))
+                    continue
             for zi, z in enumerate(zeros):
                 examined += 1
                 self.progress.step()

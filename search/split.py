@@ -145,39 +145,65 @@ class Splitter:
         count at the group's peak for equal chunks (``joint=True``, tighter; the caller
         checks the exact joint peak).
 
-        Memory rarely binds where plans are fast, and on a pipeline of one device kind the
-        split that ignores it (every stage in the fastest mode) depends only on the kind,
-        micro-batch, stage
-        count and (for few micro-batches) their number: it is computed once, shared by every
-        data-parallel degree, ZeRO stage and schedule with those, and returned whenever it
-        fits the setting's budgets (it is then feasible for the memory-constrained DP at
-        the least period any split can have). The constrained DP runs only when it does not
-        fit."""
-        if objective == "time" and len(set(sk.kinds)) == 1:
-            # (Pipelines of one device kind share it widely; a mixed pipeline's kinds are
-            # rarely seen twice, so there the constrained DP runs directly.)
-            free = self._unconstrained(sk, st, modes)
-            if free is None or free.period > period_limit * (1 + 1e-12):
-                return None
-            if self._fits(sk, st, modes, free, joint):
-                return free
+        The memory-free split comes first (every stage in the fastest mode; on a pipeline
+        of one device kind it depends only on the kind, micro-batch and stage count, so it
+        is computed once and shared by every data-parallel degree, ZeRO stage and schedule
+        with those). Where it fits the setting's budgets it is the answer: it has the least
+        period any split can have. Where memory binds, its period starts the constrained
+        DP's band narrow (see below)."""
+        if objective != "time":
+            return self._split_dp(sk, st, modes, objective, period_limit, joint)
+        free = self._unconstrained(sk, st, modes, period_limit)
+        if free is None or free.period > period_limit * (1 + 1e-12):
+            return None
+        if self._fits(sk, st, modes, free, joint):
+            return free
+        # Memory binds: the constrained DP's least period is at least the free one. Stages
+        # are first limited to runs costing at most a little more than it (a narrow band,
+        # cheap); a split found under that limit is optimal, as every longer stage would
+        # cost more. Otherwise the limit widens, up to the caller's.
+        limit = free.period * 1.25
+        for _ in range(3):
+            if limit >= period_limit:
+                break
+            found = self._split_dp(sk, st, modes, objective, limit, joint)
+            if found is not None:
+                return found
+            limit *= 2
         return self._split_dp(sk, st, modes, objective, period_limit, joint)
 
-    def _unconstrained(self, sk: Skeleton, st: Setting, modes: tuple[str, ...]) -> Split | None:
-        """The DP's split with unlimited memory and the fastest mode (cached)."""
+    def free_period(self, sk: Skeleton, st: Setting, modes: tuple[str, ...]) -> float:
+        """The least period (slowest stage, seconds per micro-batch) any split of ``sk``
+        can have under ``st``, memory aside (INF: the model does not split that finely)."""
+        free = self._unconstrained(sk, st, modes)
+        return INF if free is None else free.period
+
+    def _unconstrained(self, sk: Skeleton, st: Setting, modes: tuple[str, ...],
+                       period_limit: float = INF) -> Split | None:
+        """The DP's split with unlimited memory and the fastest mode (cached), or None when
+        no split has every stage under ``period_limit``."""
         v = st.virtual_stages
         z3 = st.zero >= 3 and sk.dp > 1
         # Under ZeRO-3 the stage times depend on each group's collectives.
         comm = tuple((self.tables.dp_affines(g, "all_gather"), self.tables.dp_affines(g, "reduce_scatter"))
                      for g in sk.groups) if z3 else None
+        if len(set(sk.kinds)) > 1:
+            # A mixed pipeline's kinds are rarely seen twice: not cached.
+            return self._split_dp(sk, st, modes[:1], "time", period_limit, False, unlimited=True)
         sp = st.sequence_parallel and any(k.tp > 1 for k in sk.kinds)
         # On one device kind in one mode every split has the same total work (ZeRO-3's
         # exposed gathers aside), so the micro-batch count, which only trades period
         # against total, is left out: the least period wins.
         key = (sk.kinds, st.micro_batch, sp, v, modes[0], comm)
-        if key not in self._free:
-            self._free[key] = self._split_dp(sk, st, modes[:1], "time", INF, False, unlimited=True)
-        return self._free[key]
+        # Cached with the period limit it was computed under: a split within that limit is
+        # the least period under any limit; "none within this limit" (None, or a split
+        # over it) also holds for every smaller limit.
+        hit = self._free.get(key)
+        exact = hit is not None and hit[0] is not None and hit[0].period <= hit[1]
+        if hit is None or (not exact and period_limit > hit[1]):
+            hit = self._free[key] = (self._split_dp(sk, st, modes[:1], "time", period_limit, False, unlimited=True),
+                                     period_limit)
+        return hit[0]
 
     def _fits(self, sk: Skeleton, st: Setting, modes: tuple[str, ...], split: Split, joint: bool) -> bool:
         """Whether every stage of ``split`` (fastest mode) fits the budget the DP gives it."""
@@ -210,9 +236,15 @@ class Splitter:
         L = self.L
         if S > L:
             return None
-        fl = inflight(st.schedule, P, st.num_micro_batches, v)
         qs = [RECOMPUTES.index(m) for m in modes]
         K = L - S + 1
+        if unlimited:
+            # The even split (unit counts differing by at most one) bounds the least
+            # period from above: no stage of the optimum costs more than it does.
+            edges = [round(i * L / S) for i in range(S + 1)]
+            even = max(float(self._time_mats(sk, j % P, st)[qs[0]][a, e])
+                       for j, (a, e) in enumerate(zip(edges, edges[1:])))
+            period_limit = min(period_limit, even * (1 + 1e-9))
         if objective == "time" and np.isfinite(period_limit):
             # No stage may be longer than the shortest run of units that already exceeds
             # the limit on the fastest group.
@@ -227,8 +259,10 @@ class Splitter:
                 return None
         start, valid = self._index(K)
         ends = np.arange(L + 1)[:, None]
-        counts = fl.joint if joint else fl.per_chunk
-        shares = self._chunk_shares(sk, st, counts)
+        if not unlimited:
+            fl = inflight(st.schedule, P, st.num_micro_batches, v)
+            counts = fl.joint if joint else fl.per_chunk
+            shares = self._chunk_shares(sk, st, counts)
         # Band views (stage ending at e with d + 1 units), shared by stages on equal groups.
         bands: dict = {}
 
@@ -245,6 +279,9 @@ class Splitter:
             g, chunk = j % P, j // P
             cap = self.tables.capacity(sk.kinds[g].pool) - self.tables.fixed_bytes(sk.kinds[g].pool, sk.groups[g], P)
             time_m = self._time_mats(sk, g, st)
+            if unlimited:
+                alike.setdefault((id(time_m),), (time_m, None, None, [], [], []))[3].append(j)
+                continue
             if v == 1:
                 budget = cap
                 base, act = self._mem_mats(sk, g, st)
@@ -426,6 +463,12 @@ def _minsum(costs: list[np.ndarray], start: np.ndarray, valid: np.ndarray, L: in
     [(end, length)] per stage). Ties go to the shortest stage (np.argmin takes the first),
     so results are deterministic."""
     limit = cap * (1 + 1e-9)
+    # No stage longer than the longest run within the cap can be used: drop those columns.
+    K = max((int(np.nonzero((c <= limit).any(axis=0))[0].max()) + 1 if (c <= limit).any() else 0) for c in costs)
+    if K == 0:
+        return None
+    costs = [c[:, :K] for c in costs]
+    start, valid = start[:, :K], valid[:, :K]
     best = np.full(L + 1, INF)
     best[0] = 0.0
     back = []
