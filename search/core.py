@@ -59,6 +59,11 @@ REFINE_ACTIONS = 256
 """Refine splits by local search only for programs this short (a few dozen simulations
 of at most this many actions each): there the fill and drain, not the period the DP
 balances, make much of the time."""
+ESTIMATE_AT_LEAST = 5
+"""Shortlisted plans always given the full cost model (a table's worth)."""
+ESTIMATE_WINDOW = 1.05
+"""Beyond those, only plans the fast model puts within this factor of the best full
+estimate are given the full cost model."""
 REFINE_WINDOW = 1.03
 """Refine a split only when its time is within this factor of the best so far (and of the
 shortlist's worst): refining rarely gains more than that."""
@@ -565,6 +570,11 @@ class _Search:
             actions = cand.skeleton.pp * st.virtual_stages * st.num_micro_batches * (
                 3 if st.schedule == "zero-bubble" else 2)
             if done and (used + actions > budget or self.out_of_time()):
+                break
+            # Past the first few, a candidate the fast model puts well behind the best full
+            # estimate so far cannot overtake it (the fast model is exact for short
+            # programs and within a few percent for long ones).
+            if len(done) >= ESTIMATE_AT_LEAST and t > ESTIMATE_WINDOW * min(d[0] for d in done):
                 break
             used += actions
             plan = cand.to_plan(self.model, self.dtype)

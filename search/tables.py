@@ -133,6 +133,7 @@ class Tables:
         self._pool_first = [cluster.group_ranks(k).start for k in range(len(cluster.groups))]
         self._node_of = np.array([slot.node for slot in cluster.slots])
         self._pool_of = np.array([slot.group for slot in cluster.slots])
+        self._shapes: dict = {}
         self.built = 0
         """Tables built (for the search statistics)."""
         # Per-instance caches (an lru_cache on methods would keep every search's tables alive).
@@ -263,9 +264,26 @@ class Tables:
         many ranks, over how many nodes, the fewest ranks on one node, and the node groups
         (their links and devices). Groups of one shape cost the same (a test checks it), so
         the cost model is asked once per shape, not once per group."""
+        n = len(ranks)
+        first, last = ranks[0], ranks[-1]
+        step = ranks[1] - first if n > 1 else 1
+        pool = self._pool_of[first]
+        # Data-parallel groups are evenly spaced ranks of one node group: their shape
+        # depends only on where they start within a node, the spacing and the count.
+        even = n > 1 and step > 0 and last == first + step * (n - 1) and self._pool_of[last] == pool \
+            and tuple(ranks) == tuple(range(first, last + 1, step))
+        if even:
+            gpn = self.cluster.groups[pool].gpus_per_node
+            key = (pool, (first - self._pool_first[pool]) % gpn, step, n)
+            hit = self._shapes.get(key)
+            if hit is not None:
+                return hit
         idx = np.asarray(ranks)
         _, per_node = np.unique(self._node_of[idx], return_counts=True)
-        return (len(ranks), len(per_node), int(per_node.min()), frozenset(np.unique(self._pool_of[idx]).tolist()))
+        out = (n, len(per_node), int(per_node.min()), frozenset(np.unique(self._pool_of[idx]).tolist()))
+        if even:
+            self._shapes[key] = out
+        return out
 
     def affine(self, ranks: tuple[int, ...], kind: str) -> tuple[float, float]:
         """(alpha, beta) with collective_time(ranks, x, kind) == alpha + beta * x for x > 0
