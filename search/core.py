@@ -483,7 +483,7 @@ class _Search:
             # Chunks share one memory and the DPs' per-chunk budgets are conservative: the
             # leanest split (balanced for memory instead of time) may still fit exactly.
             for joint in (True, False):
-                split = self.splitter.split(sk, st, self.modes, objective="memory", joint=joint)
+                split = self.splitter.split(sk, st, self.modes, objective="memory", joint=joint, period_limit=limit)
                 if split is not None:
                     analysis = timed(split)
                     if analysis is not None and analysis.fits:

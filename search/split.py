@@ -138,7 +138,8 @@ class Splitter:
         under ``period_limit`` seconds per micro-batch, when one is given).
 
         ``objective="memory"`` instead minimizes the largest memory-to-capacity ratio
-        (used to report how far from fitting the leanest plan is).
+        (used to report how far from fitting the leanest plan is, and to find a split that
+        fits at all), over stages under ``period_limit``.
 
         With v > 1 chunks per group, each chunk gets a share of its group's budget and an
         in-flight count: the most it ever holds (``joint=False``, always sufficient) or its
@@ -153,6 +154,7 @@ class Splitter:
         DP's band narrow (see below)."""
         if objective != "time":
             return self._split_dp(sk, st, modes, objective, period_limit, joint)
+
         free = self._unconstrained(sk, st, modes, period_limit)
         if free is None or free.period > period_limit * (1 + 1e-12):
             return None
@@ -245,7 +247,7 @@ class Splitter:
             even = max(float(self._time_mats(sk, j % P, st)[qs[0]][a, e])
                        for j, (a, e) in enumerate(zip(edges, edges[1:])))
             period_limit = min(period_limit, even * (1 + 1e-9))
-        if objective == "time" and np.isfinite(period_limit):
+        if np.isfinite(period_limit):
             # No stage may be longer than the shortest run of units that already exceeds
             # the limit on the fastest group.
             mats = {id(m): m for m in (self._time_mats(sk, g, st)[qs[0]] for g in range(P))}
@@ -307,7 +309,7 @@ class Splitter:
                 cap_j = np.array(budgets)[:, None, None, None]
                 need = band(base, 0.0)[None] + n * band(act, 0.0)[None]
                 if objective == "memory":
-                    val = np.where(np.isfinite(t_band), need / cap_j, INF)
+                    val = np.where(t_band <= period_limit, need / cap_j, INF)
                 else:
                     val = np.where(need <= cap_j, t_band, INF)
                     if np.isfinite(period_limit):
