@@ -297,8 +297,8 @@ class Splitter:
             entry[3].append(j)
             entry[4].append(counts[g][chunk])
             entry[5].append(budget)
-        costs: list = [None] * S
-        choices: list = [None] * S
+        costs = np.empty((S, L + 1, K))
+        choices = np.empty((S, L + 1, K), dtype=np.int8)
         q_index = np.array(qs, dtype=np.int8)
         for time_m, base, act, js, n_inflight, budgets in alike.values():
             t_band = band(time_m, INF)[None]                     # (1, modes, L + 1, K)
@@ -317,9 +317,8 @@ class Splitter:
             # The first of equal modes wins: the fastest (modes are listed fastest first).
             arg = val.argmin(axis=1)
             best = np.take_along_axis(val, arg[:, None], axis=1)[:, 0]
-            for i, j in enumerate(js):
-                costs[j] = best[i]
-                choices[j] = q_index[arg[i]]
+            costs[js] = best
+            choices[js] = q_index[arg]
         period = _minmax(costs, start, valid, L)
         if period is None:
             return None
@@ -328,7 +327,7 @@ class Splitter:
         if objective == "time" and m < 4 * P and not unlimited:
             # Few micro-batches: the fill (sum of stage times) weighs like a few periods,
             # so a slightly slower period with less total work can win.
-            vals = np.unique(np.concatenate([c[np.isfinite(c) & (c > period)] for c in costs]))
+            vals = np.unique(costs[np.isfinite(costs) & (costs > period)])
             cands += list(vals[:3])
         best_obj, best_split = INF, None
         for tau in cands:
@@ -448,9 +447,9 @@ class Splitter:
         return Split(bounds=tuple(bounds), recompute=tuple(rec), period=period, total=total)
 
 
-def _minmax(costs: list[np.ndarray], start: np.ndarray, valid: np.ndarray, L: int) -> float | None:
+def _minmax(costs: np.ndarray, start: np.ndarray, valid: np.ndarray, L: int) -> float | None:
     """Smallest achievable max_j cost_j over contiguous splits of L units into len(costs)
-    non-empty stages (costs[j][e, d-1]: stage j ending at e with d units)."""
+    non-empty stages (costs[j, e, d-1]: stage j ending at e with d units)."""
     best = np.full(L + 1, INF)
     best[0] = 0.0
     for c in costs:
@@ -459,17 +458,19 @@ def _minmax(costs: list[np.ndarray], start: np.ndarray, valid: np.ndarray, L: in
     return float(best[L]) if np.isfinite(best[L]) else None
 
 
-def _minsum(costs: list[np.ndarray], start: np.ndarray, valid: np.ndarray, L: int,
+def _minsum(costs: np.ndarray, start: np.ndarray, valid: np.ndarray, L: int,
             cap: float) -> tuple[float, list[tuple[int, int]]] | None:
     """Smallest sum of stage costs with every stage at most ``cap``; returns (sum,
     [(end, length)] per stage). Ties go to the shortest stage (np.argmin takes the first),
     so results are deterministic."""
     limit = cap * (1 + 1e-9)
     # No stage longer than the longest run within the cap can be used: drop those columns.
-    K = max((int(np.nonzero((c <= limit).any(axis=0))[0].max()) + 1 if (c <= limit).any() else 0) for c in costs)
-    if K == 0:
+    within = costs <= limit
+    usable = np.nonzero(within.any(axis=(0, 1)))[0]
+    if len(usable) == 0:
         return None
-    costs = [c[:, :K] for c in costs]
+    K = int(usable[-1]) + 1
+    costs = np.where(within[:, :, :K], costs[:, :, :K], INF)
     start, valid = start[:, :K], valid[:, :K]
     best = np.full(L + 1, INF)
     best[0] = 0.0
@@ -477,7 +478,7 @@ def _minsum(costs: list[np.ndarray], start: np.ndarray, valid: np.ndarray, L: in
     rows = np.arange(L + 1)
     for c in costs:
         prev = np.where(valid, best[start], INF)
-        tot = prev + np.where(c <= limit, c, INF)
+        tot = prev + c
         arg = tot.argmin(axis=1)
         best = tot[rows, arg]
         back.append(arg)
