@@ -64,10 +64,10 @@ ESTIMATE_AT_LEAST = 5
 ESTIMATE_WINDOW = 1.05
 """Beyond those, only plans the fast model puts within this factor of the best full
 estimate are given the full cost model."""
-REFINE_WINDOW = 1.03
-"""Refine a split only when its time is within this factor of the best so far (and of the
-shortlist's worst): refining rarely gains more than that."""
-REFINE_MOVES = 60
+REFINE_WINDOW = 1.1
+"""Refine a split only when its time is within this factor of the shortlist's worst (or the
+shortlist is not full): refining rarely gains more than that."""
+REFINE_MOVES = 200
 """Moves the refinement of one split may try."""
 
 
@@ -490,7 +490,7 @@ class _Search:
                         best = (split, analysis)
                         break
         if best is not None and sim and program_actions(st, sk.pp) <= REFINE_ACTIONS \
-                and self.refine_left > 0 and best[1].time_s < REFINE_WINDOW * min(threshold, self.best_time):
+                and self.refine_left > 0 and best[1].time_s < REFINE_WINDOW * threshold:
             best = self._refine(sk, st, *best)
         return best
 

@@ -193,10 +193,11 @@ class Splitter:
             # A mixed pipeline's kinds are rarely seen twice: not cached.
             return self._split_dp(sk, st, modes[:1], "time", period_limit, False, unlimited=True)
         sp = st.sequence_parallel and any(k.tp > 1 for k in sk.kinds)
-        # On one device kind in one mode every split has the same total work (ZeRO-3's
-        # exposed gathers aside), so the micro-batch count, which only trades period
-        # against total, is left out: the least period wins.
-        key = (sk.kinds, st.micro_batch, sp, v, modes[0], comm)
+        # On one device kind in one mode every split has the same total work, so the
+        # micro-batch count, which only trades period against total, is left out (except
+        # under ZeRO-3, whose exposed gathers make totals differ): the least period wins.
+        m = st.num_micro_batches
+        key = (sk.kinds, st.micro_batch, sp, v, modes[0], comm, m if z3 and m < 4 * sk.pp else None)
         # Cached with the period limit it was computed under: a split within that limit is
         # the least period under any limit; "none within this limit" (None, or a split
         # over it) also holds for every smaller limit.
@@ -324,7 +325,9 @@ class Splitter:
             return None
         cands = [period]
         m = st.num_micro_batches
-        if objective == "time" and m < 4 * P and not unlimited:
+        # (Without memory, on one kind, in one mode, only ZeRO-3 makes totals differ.)
+        z3 = st.zero >= 3 and sk.dp > 1
+        if objective == "time" and m < 4 * P and (z3 or not unlimited):
             # Few micro-batches: the fill (sum of stage times) weighs like a few periods,
             # so a slightly slower period with less total work can win.
             vals = np.unique(costs[np.isfinite(costs) & (costs > period)])
