@@ -190,8 +190,10 @@ def main(argv: list[str] | None = None) -> int:
         base = None if args.no_baseline else checkout(args.baseline)
         raw.write_text("")
         try:
-            for series in [s.strip() for s in args.series.split(",") if s.strip()]:
-                for n in sizes:
+            # Size by size (both series at each), in the order given: an interrupted run
+            # still has the sizes asked for first.
+            for n in sizes:
+                for series in [s.strip() for s in args.series.split(",") if s.strip()]:
                     cluster = homogeneous(n) if series == "homogeneous" else mixed(n)
                     row = dict(series=series, gpus=n)
                     row["now"] = time_search(ROOT, cluster, args.model, args.global_batch, args.timeout)
@@ -206,7 +208,8 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             if base is not None:
                 remove_checkout(base)
-    rows = [json.loads(line) for line in raw.read_text().splitlines() if line.strip()]
+    rows = sorted((json.loads(line) for line in raw.read_text().splitlines() if line.strip()),
+                  key=lambda r: (r["series"], r["gpus"]))
     write_markdown(rows, out / "search_time.md", args.model, args.global_batch, args.baseline)
     write_plot(rows, out / "search_time.png", args.model, args.baseline)
     print(f"wrote {out / 'search_time.md'} and {out / 'search_time.png'}")

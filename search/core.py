@@ -231,7 +231,7 @@ class _Search:
         keys = [(dp, b) for dp in self.dp_options() for b in self.mb_options(dp)[:PLACEMENT_MICRO_BATCHES]]
         self.progress.phase("placement", len(keys))
         for dp, b in keys:
-            if self.out_of_time():
+            if seen and self.out_of_time():
                 # Pipelines never placed are bounded by the whole cluster's best rate.
                 self.stats.stopped_at_time_limit = True
                 self.unplaced_bound = self.cluster_bound()
@@ -363,7 +363,8 @@ class _Search:
             bound, cnt, level, payload = heap[0]
             if bound >= threshold() or bound == INF:
                 break
-            if self.out_of_time():
+            if shortlist and self.out_of_time():
+                # (Never before a first plan: the limit returns the best so far, not nothing.)
                 stats.stopped_at_time_limit = True
                 break
             heapq.heappop(heap)

@@ -241,6 +241,20 @@ def test_search_is_deterministic():
     assert [rp.plan.to_dict() for rp in a.ranked] == [rp.plan.to_dict() for rp in b.ranked]
 
 
+def test_time_limit_returns_the_best_so_far_with_a_bound():
+    model = models.get("gpt2-medium")
+    cluster = Cluster.load("examples/clusters/small-mixed-v100-t4.json")
+    full = search(model, cluster, 32, progress=False)
+    quick = search(model, cluster, 32, time_limit=1e-3, progress=False)
+    assert full.stats.optimality_gap == 0 and not full.stats.stopped_at_time_limit
+    # No plan is faster than the lower bound; the complete search's best is one of them.
+    assert quick.stats.lower_bound_s <= full.stats.lower_bound_s * (1 + 1e-9)
+    assert quick.best.estimate.fits and quick.stats.optimality_gap >= 0
+    if quick.stats.stopped_at_time_limit:
+        assert quick.stats.unexplored > 0 and "time limit" in quick.stats.summary()
+        assert quick.best.predicted_s <= quick.stats.lower_bound_s * (1 + quick.stats.optimality_gap) * (1 + 1e-9)
+
+
 def test_fewer_gpus_are_reported_and_can_be_forbidden():
     # Global batch 2 cannot keep 4 GPUs busy with data parallelism alone.
     model, cluster = toy_model("5x512"), toy_cluster(6, 4, 1)
