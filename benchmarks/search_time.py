@@ -127,7 +127,10 @@ def write_markdown(rows: list[dict], path: Path, model: str, global_batch: int, 
              "after the other; the model is built before the clock starts. CPU seconds are "
              "`time.process_time()` of the process around the search (all its threads), wall seconds "
              "`time.perf_counter()`; the machine was shared with other work, which inflates both (the "
-             "ratio compares like with like). Produced by `python benchmarks/search_time.py`.", "",
+             "ratio compares like with like). Each version's search ranks by its own cost model, so "
+             "iteration times differ where the cost model changed since the baseline. Rows missing "
+             "from a size sweep were not reached before the run was stopped. Produced by "
+             "`python benchmarks/search_time.py`.", "",
              f"| cluster | GPUs | CPU s {baseline} | CPU s now | CPU ratio | wall s {baseline} | wall s now "
              f"| best plan now | iteration s {baseline} | iteration s now | candidates now | DP splits now |",
              "|---|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|"]
