@@ -19,9 +19,15 @@ class Progress:
         self.done = 0
         self._last = 0.0
         self._shown = False
+        self.best: float | None = None
 
     def phase(self, name: str, total: int) -> None:
         self.name, self.total, self.done = name, max(int(total), 0), 0
+        self._draw(force=True)
+
+    def incumbent(self, seconds: float) -> None:
+        """The best plan so far takes ``seconds`` per iteration (shown on the line)."""
+        self.best = seconds
         self._draw(force=True)
 
     def step(self, n: int = 1) -> None:
@@ -38,11 +44,13 @@ class Progress:
         frac = min(self.done / self.total, 1.0) if self.total else 0.0
         bar = "#" * int(frac * self.width)
         line = f"\rsearch {self.name:<10} [{bar:<{self.width}}] {self.done}/{self.total}"
-        self.stream.write(line.ljust(72))
+        if self.best is not None:
+            line += f"  best {self.best:.4g} s/iter"
+        self.stream.write(line.ljust(88))
         self.stream.flush()
         self._shown = True
 
     def close(self) -> None:
         if self.enabled and self._shown:
-            self.stream.write("\r" + " " * 72 + "\r")
+            self.stream.write("\r" + " " * 88 + "\r")
             self.stream.flush()

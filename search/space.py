@@ -61,6 +61,13 @@ class Constraints:
     per possible stage; pass more to widen it, at a cost in placement time)."""
     seed: int = 0
     """CP-SAT random seed (with one worker, results are reproducible)."""
+    time_limit: float | None = None
+    """Seconds the search may take (None: until it has proven its best plan optimal under
+    its fast model). When the limit strikes, the best plan so far is estimated and returned
+    with ``stats.optimality_gap``, how far from the best in the space it may be."""
+    max_exhaustive_pipelines: int = 5000
+    """On several node groups, every device-group pipeline the space holds is enumerated
+    (and bounded) when there are at most this many; beyond, CP-SAT proposes them."""
     progress: bool = True
     """Show a progress bar on stderr (only when it is a terminal)."""
     profiles: Any = None
@@ -129,10 +136,14 @@ class Constraints:
                         raise ConfigError(k, f"must be True or False, got {x!r}")
                 out[k] = tuple(sorted(set(vals)))
             elif k in ("max_micro_batch", "max_virtual_stages", "max_estimates", "estimate_actions",
-                       "placement_alternatives", "max_stages", "refine_evaluations"):
+                       "placement_alternatives", "max_stages", "refine_evaluations", "max_exhaustive_pipelines"):
                 if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                     raise ConfigError(k, f"must be a positive integer, got {v!r}")
                 out[k] = v
+            elif k == "time_limit":
+                if v is not None and (not isinstance(v, (int, float)) or isinstance(v, bool) or v <= 0):
+                    raise ConfigError(k, f"must be a positive number of seconds, got {v!r}")
+                out[k] = None if v is None else float(v)
             elif k == "placement_time_limit":
                 if not isinstance(v, (int, float)) or isinstance(v, bool) or v <= 0:
                     raise ConfigError(k, f"must be a positive number of seconds, got {v!r}")

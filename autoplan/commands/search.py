@@ -27,6 +27,8 @@ def register(sub) -> None:
     p.add_argument("--explain", action="store_true", help="say why the best plan beats the runner-up")
     p.add_argument("--json", action="store_true", help="print the ranking as JSON")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    p.add_argument("--time-limit", type=float, default=None, metavar="SECONDS",
+                   help="return the best plan found within this many seconds, with how far from optimal it may be")
     g = p.add_argument_group("narrow the search space (comma-separated lists)")
     g.add_argument("--tp", type=_ints, default=None, help="tensor-parallel degrees, e.g. 4,8")
     g.add_argument("--pp", type=_ints, default=None, help="pipeline depths")
@@ -72,6 +74,8 @@ def run(args) -> int:
     constraints["target"] = args.target
     if args.engine_version:
         constraints["engine_version"] = args.engine_version
+    if args.time_limit is not None:
+        constraints["time_limit"] = args.time_limit
     try:
         result = search(model, cluster, args.global_batch, **constraints)
     except NoPlanFitsError as e:
