@@ -112,7 +112,8 @@ def _configs(model, seq_lens: Sequence[int] | None) -> list[tuple[str, Transform
             raise ConfigError("model", "Swin models are not profiled per layer (their stages differ "
                               "in shape)", "profile a transformer; Swin estimates use the roofline")
         text = str(model)
-        if text.endswith(".json") or os.sep in text or Path(text).is_file():
+        from autoplan.models import is_config_path
+        if is_config_path(model):
             from autoplan.models.hf import config_from_hf
             return config_from_hf(text, **over).resolved()
         from autoplan.models.presets import PRESETS, get_config

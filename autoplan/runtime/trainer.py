@@ -113,13 +113,13 @@ def resolve_model_config(model: Any, seq_len: int = 0) -> TransformerConfig | Sw
                               "pass a zoo preset name, a config.json path or a config object")
         model = model.config
     if isinstance(model, (str, os.PathLike)):
-        text = str(model)
-        if text.endswith(".json") or os.sep in text or Path(text).is_file():
+        from autoplan.models import is_config_path
+        if is_config_path(model):
             from autoplan.models.hf import config_from_hf
-            cfg = config_from_hf(text)
+            cfg = config_from_hf(model)
         else:
             from autoplan.models.presets import get_config
-            cfg = get_config(text)
+            cfg = get_config(str(model))
     elif isinstance(model, (TransformerConfig, SwinConfig)):
         cfg = model
     else:
