@@ -248,6 +248,8 @@ class FieldReader:
         value = self.raw(key, default)
         if value is None:
             return value
+        if isinstance(value, tuple):   # a dict built in Python rather than parsed
+            value = list(value)
         if not isinstance(value, list):
             raise ConfigError(self.path(key), f"must be a list, got {type(value).__name__}")
         if nonempty and not value:

@@ -81,9 +81,11 @@ class ProfileResult:
         if len(self.refused) > 10:
             lines.append(f"  ... and {len(self.refused) - 10} more refused")
         if self.links:
+            bw = self.links["bandwidth_GBps"]
             lines.append(f"link intra_node ({self.links['backend']}, {self.links['world_size']} ranks): "
-                         f"{self.links['latency_us']:.1f} us + {self.links['bandwidth_GBps']:.3f} GB/s "
-                         f"(rms error {self.links['rms_rel_error']:.0%})")
+                         f"{self.links['latency_us']:.1f} us + "
+                         + (f"{bw:.3f} GB/s" if bw is not None else "bandwidth not resolvable at these sizes")
+                         + f" (rms error {self.links['rms_rel_error']:.0%})")
             if self.links.get("unsupported"):
                 lines.append(f"  not supported by {self.links['backend']}: {', '.join(self.links['unsupported'])}")
         return "\n".join(lines)
