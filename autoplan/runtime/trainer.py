@@ -425,6 +425,7 @@ class Trainer:
     def save(self, directory: str | os.PathLike) -> Path:
         from autoplan.runtime.checkpoint import save_checkpoint
         train_state = {"seed": self.options.seed, "world_size": dist.get_world_size(),
+                       "model": {"name": self.cfg.name, "num_params": self.num_params},
                        "plan": self.plan.to_dict(), "data": {k: v for k, v in self.data.state_dict().items()
                                                              if k != "dataset"}}
         return save_checkpoint(directory, self.step, self.model, self.optimizer, train_state,
@@ -433,7 +434,7 @@ class Trainer:
     def load(self, path: str | os.PathLike) -> int:
         """Load a checkpoint (any plan's); returns the step it was taken after."""
         from autoplan.runtime.checkpoint import load_checkpoint
-        train_state, dataset_state = load_checkpoint(path, self.model, self.optimizer)
+        train_state, dataset_state = load_checkpoint(path, self.model, self.optimizer, self.cfg.name)
         data_state = dict(train_state.get("data", {"position": train_state["step"]}))
         if dataset_state is not None:
             data_state["dataset"] = dataset_state
