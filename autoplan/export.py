@@ -23,7 +23,7 @@ import json
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Iterable
 
-from autoplan.errors import ConfigError
+from autoplan.errors import ConfigError, one_line
 from autoplan.plan import Plan
 
 if TYPE_CHECKING:
@@ -288,7 +288,9 @@ def to_megatron(plan: Plan, model: "ModelSpec | None" = None) -> Exported:
              "the data-parallel size from the world size.",
              "# Use: torchrun --nproc-per-node <gpus per node> --nnodes <nodes> pretrain_gpt.py "
              "$(grep -v '^#' THIS_FILE) <data, tokenizer, optimizer and logging arguments>"]
-    lines += [f"# note: {n}" for n in notes]
+    # Notes quote names from the plan and the model's config: one line each, so a line
+    # break in a name cannot start a flag or a section of its own.
+    lines += [f"# note: {one_line(n)}" for n in notes]
     # One flag (with its value) per line so the file diffs and reads well.
     i = 0
     while i < len(argv):
@@ -488,7 +490,7 @@ def to_torchtitan(plan: Plan, model: "ModelSpec | None" = None) -> Exported:
     lines = ["# torchtitan job config exported by autoplan",
              f"# {plan.num_gpus} GPUs: launch with NGPU={plan.num_gpus} (or torchrun across nodes) and "
              "add dataset, tokenizer, optimizer and step settings."]
-    lines += [f"# note: {n}" for n in notes]
+    lines += [f"# note: {one_line(n)}" for n in notes]
     lines.append(toml_dumps(sections, comments))
     return Exported("torchtitan", "\n".join(lines), tuple(notes))
 
@@ -503,7 +505,7 @@ def toml_dumps(sections: dict, comments: dict | None = None) -> str:
         for key, value in table.items():
             c = comments.get((section, key))
             if c:
-                out.append(f"# {c}")
+                out.append(f"# {one_line(c)}")
             out.append(f"{key} = {_toml_value(value, f'{section}.{key}')}")
     return "\n".join(out).lstrip("\n") + "\n"
 

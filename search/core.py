@@ -25,6 +25,7 @@ from dataclasses import replace
 
 from autoplan.cluster import Cluster
 from autoplan.errors import ConfigError, NoPlanFitsError
+from autoplan.limits import MAX_GLOBAL_BATCH
 from autoplan.models.spec import ModelSpec
 from autoplan.plan import DeviceGroup
 from autoplan.units import GiB
@@ -45,9 +46,17 @@ def search(model: ModelSpec, cluster: Cluster, global_batch: int, **constraints)
 
     Raises NoPlanFitsError when no plan in the space fits in memory; the message gives
     the leanest plan's memory per device type and what would make one fit."""
-    if not isinstance(global_batch, int) or isinstance(global_batch, bool) or global_batch < 1:
-        raise ConfigError("global_batch", f"must be a positive integer, got {global_batch!r}")
+    if not isinstance(global_batch, int) or isinstance(global_batch, bool) or not 1 <= global_batch <= MAX_GLOBAL_BATCH:
+        raise ConfigError("global_batch", f"must be an integer in 1..{MAX_GLOBAL_BATCH:,}, got {global_batch!r}")
     c = Constraints.build(**constraints)
+    if c.tp is not None:
+        # An impossible degree is a mistake to name, not a search that finds nothing.
+        allowed = model.tp_degrees(max(c.tp))
+        bad = [t for t in c.tp if t not in allowed]
+        if bad:
+            what = (f"the model's {model.heads} attention heads ({model.kv_heads} key/value heads)"
+                    if model.tp_shardable else f"{model.name} (its layers are not tensor-parallel)")
+            raise ConfigError("tp", f"{bad[0]} does not divide {what}", f"allowed degrees: {allowed}")
     return _Search(model, cluster, global_batch, c).run()
 
 

@@ -48,7 +48,8 @@ def make_plan(pp=1, dp=1, tp=1, bounds=((0, 4),), mb=1, m=2, schedule="1f1b", v=
 # LayerNorm, GELU; llama-tiny: untied, RoPE, RMSNorm, SwiGLU, grouped-query attention.
 # Both have 4 units: embedding, 2 blocks, head.
 CASES_2 = {
-    "dp-replicate": ("gpt-tiny", make_plan(dp=2, m=2)),
+    "dp-ddp": ("gpt-tiny", make_plan(dp=2, m=2)),
+    "dp-ddp-gpipe-order": ("llama-tiny", make_plan(dp=2, m=3, schedule="gpipe")),
     "zero1": ("llama-tiny", make_plan(dp=2, m=2, zero=1)),
     "zero3": ("gpt-tiny", make_plan(dp=2, m=2, zero=3, recompute="full")),
     "tp": ("llama-tiny", make_plan(tp=2, m=2)),
@@ -72,8 +73,13 @@ CASES_4 = {
     "dp-x-tp-replicate": ("gpt-tiny", make_plan(dp=2, tp=2, m=2, zero=0)),
     "pp-x-dp-zero-bubble-zero3": ("gpt-tiny", make_plan(pp=2, dp=2, bounds=((0, 2), (2, 4)), m=2,
                                                          schedule="zero-bubble", zero=3)),
-    "pp-x-dp-1f1b-replicate": ("llama-tiny", make_plan(pp=2, dp=2, bounds=((0, 3), (3, 4)), m=2,
-                                                        schedule="1f1b", zero=0)),
+    "pp-x-dp-1f1b-ddp": ("llama-tiny", make_plan(pp=2, dp=2, bounds=((0, 3), (3, 4)), m=2,
+                                                  schedule="1f1b", zero=0)),
+    "pp-x-dp-gpipe-ddp": ("gpt-tiny", make_plan(pp=2, dp=2, bounds=((0, 2), (2, 4)), m=2,
+                                                schedule="gpipe", zero=0)),
+    "pp-x-dp-interleaved-replicate": ("llama-tiny", make_plan(pp=2, dp=2, v=2, bounds=((0, 1), (1, 2), (2, 3),
+                                                                                      (3, 4)),
+                                                              m=2, schedule="interleaved-1f1b", zero=0)),
     "pp-x-tp-interleaved-sp": ("gpt-tiny", make_plan(pp=2, tp=2, v=2, bounds=((0, 1), (1, 2), (2, 3), (3, 4)),
                                                      m=2, schedule="interleaved-1f1b", sp=True)),
 }

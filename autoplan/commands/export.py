@@ -3,7 +3,6 @@ framework's configuration (see autoplan.export and docs/export.md)."""
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 from autoplan.commands._common import add_model_args
 
@@ -25,11 +24,14 @@ def run(args) -> int:
     from autoplan.export import export
     from autoplan.plan import Plan
 
+    from autoplan.files import check_writable, write_text
+    if args.out:
+        check_writable(args.out, "export", "--out")
     plan = Plan.load(args.plan)
     model = load_model(args) if args.model else None
     result = export(plan, args.to, model)
     if args.out:
-        Path(args.out).write_text(result.text)
+        write_text(args.out, result.text)
         print(f"wrote {args.out} ({args.to})", file=sys.stderr)
     else:
         sys.stdout.write(result.text)

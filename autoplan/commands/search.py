@@ -5,11 +5,20 @@ import json
 import sys
 import textwrap
 
-from autoplan.commands._common import add_cost_model_args, add_model_args, cost_model_options, load_model
+import argparse
+
+from autoplan.commands._common import add_cost_model_args, add_model_args, cost_model_options, int_in, load_model
+from autoplan.limits import MAX_GLOBAL_BATCH, MAX_TOP_K
 
 
 def _ints(text: str) -> list[int]:
-    return [int(x) for x in text.split(",") if x.strip()]
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers") from None
+    if not values or any(v < 1 for v in values):
+        raise argparse.ArgumentTypeError(f"{text!r} must list positive integers, e.g. 1,2,4")
+    return values
 
 
 def _words(text: str) -> list[str]:
@@ -20,8 +29,9 @@ def register(sub) -> None:
     p = sub.add_parser("search", help="find the fastest plans that fit (searched, then ranked by the cost model)")
     p.add_argument("--cluster", required=True, help="cluster.json")
     add_model_args(p)
-    p.add_argument("--global-batch", type=int, required=True, help="samples (sequences) per iteration")
-    p.add_argument("--top-k", type=int, default=5, help="plans to show (default 5)")
+    p.add_argument("--global-batch", type=int_in(1, MAX_GLOBAL_BATCH), required=True,
+                   help="samples (sequences) per iteration")
+    p.add_argument("--top-k", type=int_in(1, MAX_TOP_K), default=5, help="plans to show (default 5)")
     p.add_argument("--out", default=None, metavar="PLAN_JSON",
                    help="write the best plan (with its estimate) for `autoplan estimate` / `autoplan run`")
     p.add_argument("--explain", action="store_true", help="say why the best plan beats the runner-up")
@@ -47,6 +57,9 @@ def run(args) -> int:
     from autoplan.errors import NoPlanFitsError
     from search import search
 
+    if args.out:
+        from autoplan.files import check_writable
+        check_writable(args.out, "plan", "--out")   # before the search, not after it
     cluster = Cluster.load(args.cluster)
     options = cost_model_options(args)
     model = load_model(args)
@@ -79,6 +92,8 @@ def run(args) -> int:
     print(f"model {model.describe()}")
     print(f"cluster {cluster.name}: {cluster.num_gpus} GPUs, global batch {args.global_batch}; "
           f"stack {options.stack.name}" + (", calibrated" if options.calibration else ""))
+    for note in cluster.assumptions():
+        print(f"note: {note}")
     print()
     print(result.table(args.top_k))
     print()
