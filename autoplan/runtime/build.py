@@ -315,23 +315,19 @@ class DataParallelChoice:
     """One line for logs and the run record: what the plan's zero stage became."""
 
 
-DDP_SCHEDULES = ("gpipe", "1f1b")
-"""Pipeline schedules under which nn.parallel.DistributedDataParallel is correct: its
-reducer asserts on the second step of interleaved and zero-bubble schedules (several
-stages per rank, or a backward split into input and weight passes)."""
-
-
 def data_parallel_choice(dp: int, zero: int, pp: int, tp: int = 1, schedule: str = "1f1b") -> DataParallelChoice:
     if dp == 1:
         return DataParallelChoice("none", False, "dp=1: no data parallelism (ZeRO has nothing to shard)")
     if zero == 0:
-        if tp == 1 and (pp == 1 or schedule in DDP_SCHEDULES):
+        if tp == 1 and pp == 1:
             # Plain DDP: one bucketed all-reduce overlapped with backward, the fastest ZeRO-0.
             return DataParallelChoice("ddp", False, "ZeRO-0: DistributedDataParallel (bucketed all-reduce)")
         # replicate_with_fsdp, not the older torch.distributed._composable.replicate, which
-        # computes silently wrong gradients under pipelining; DDP cannot hold DTensor
-        # (tensor-parallel) weights nor run interleaved/zero-bubble schedules.
-        why = "tensor-parallel weights" if tp > 1 else f"the {schedule} schedule"
+        # computes silently wrong gradients under pipelining. DDP cannot hold DTensor
+        # (tensor-parallel) weights, and under the pipeline runtime's action lists its
+        # reducer asserts on the second step (it sees every parameter's gradient once per
+        # micro-batch), with interleaved and zero-bubble schedules as with 1F1B.
+        why = "tensor-parallel weights" if tp > 1 else "pipeline stages"
         return DataParallelChoice("replicate", False, f"ZeRO-0: replicate (FSDP-family all-reduce; DDP cannot "
                                   f"run {why})")
     if zero in (1, 2):
