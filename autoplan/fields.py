@@ -28,7 +28,7 @@ MAX_FILE_BYTES = 64 * 2**20
 """Largest JSON file read (a profile of many models is a few MB; configs are kilobytes)."""
 MAX_DEPTH = 32
 """Deepest nesting of objects and lists (the formats need 6)."""
-MAX_INT_DIGITS = 18
+MAX_INT_DIGITS = 40
 """Integer literals longer than this are refused before Python converts them (a
 thousands-digit literal costs quadratic time and is never a real count)."""
 MAX_INT = 2**53

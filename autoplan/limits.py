@@ -40,9 +40,10 @@ MAX_MICRO_BATCHES = 65_536
 """Micro-batches per iteration on one data-parallel replica."""
 MAX_VIRTUAL_STAGES = 64
 """Chunks per pipeline rank in an interleaved schedule."""
-MAX_SCHEDULE_SLOTS = 2**21
+MAX_SCHEDULE_SLOTS = 65_536
 """Pipeline ranks x virtual stages x micro-batches: the size of the schedule program the
-cost model simulates and the runtime executes (a few million actions, seconds to build)."""
+cost model simulates and the runtime executes (e.g. 64 stages x 1024 micro-batches;
+simulating a program at this limit takes seconds, and time grows with it)."""
 MAX_TOP_K = 1_000
 """Plans a search may be asked to show."""
 MAX_STEPS = 100_000_000

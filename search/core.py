@@ -25,7 +25,7 @@ from dataclasses import replace
 
 from autoplan.cluster import Cluster
 from autoplan.errors import ConfigError, NoPlanFitsError
-from autoplan.limits import MAX_GLOBAL_BATCH
+from autoplan.limits import MAX_GLOBAL_BATCH, MAX_MICRO_BATCHES, MAX_SCHEDULE_SLOTS
 from autoplan.models.spec import ModelSpec
 from autoplan.plan import DeviceGroup
 from autoplan.units import GiB
@@ -139,13 +139,16 @@ class _Search:
         with dp replicas may run."""
         for b in self.mb_options(dp):
             m = self.gb // (dp * b)
+            if m > MAX_MICRO_BATCHES:
+                continue   # a plan past the limits cannot be estimated or run
             for sched in self.schedules(P):
                 if sched != "interleaved-1f1b":
-                    yield b, m, sched, 1
+                    if P * m <= MAX_SCHEDULE_SLOTS:
+                        yield b, m, sched, 1
                 elif P > 1 and m % P == 0:
                     vs = self.c.virtual_stages or range(2, self.c.max_virtual_stages + 1)
                     for v in vs:
-                        if v >= 2 and P * v <= self.L:
+                        if v >= 2 and P * v <= self.L and P * v * m <= MAX_SCHEDULE_SLOTS:
                             yield b, m, sched, v
 
     # --------------------------------------------------------- skeletons
