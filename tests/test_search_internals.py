@@ -264,3 +264,28 @@ def test_placement_can_be_forced_to_use_every_gpu():
 def test_setting_replace_keeps_other_fields():
     st = Setting(1, 8, "1f1b", 1, 0, False)
     assert replace(st, zero=3).zero == 3 and replace(st, zero=3).num_micro_batches == 8
+
+
+def test_progress_bar_ticks_during_a_long_step():
+    """While one step runs long (a CP-SAT solve), the bar is redrawn with the elapsed
+    time, so it never looks frozen; after close() nothing more is written."""
+    import io
+    import time
+
+    from search import progress as P
+
+    class Tty(io.StringIO):
+        def isatty(self):
+            return True
+
+    stream = Tty()
+    bar = P.Progress(True, stream=stream)
+    bar.phase("placement", 3)
+    time.sleep(4 * P.TICK_S)          # no step() meanwhile
+    draws = stream.getvalue().count("\rsearch placement")
+    bar.close()
+    assert draws >= 3, stream.getvalue()
+    assert "s" in stream.getvalue().split("0/3")[-1]
+    after = stream.getvalue()
+    time.sleep(2 * P.TICK_S)
+    assert stream.getvalue() == after
