@@ -134,6 +134,27 @@ def _read_scenario(path: Path):
     return Scenario.load(path)
 
 
+def _read_stack(path: Path):
+    from autoplan.stacks import get_stack
+    return get_stack(str(path))
+
+
+def _read_calibration(path: Path):
+    from costmodel.calibration import Calibration
+    cal = Calibration.load(path)
+    cal.check(list(cal.devices), cal.stack)
+    return cal
+
+
+def _calibration_doc() -> dict:
+    from costmodel.calibration import KIND, SCHEMA_VERSION
+    return {"schema_version": SCHEMA_VERSION, "kind": KIND, "stack": "autoplan",
+            "devices": {"A100-SXM4-80GB": {"compute_scale": 1.1, "step_overhead_ms": 2.0, "launch_us": 4.0}},
+            "activation_scale": 1.05, "memory_overhead_GiB": 0.5, "time_error": [-0.1, 0.1],
+            "memory_error": [-0.05, 0.05], "runs": 5, "loo_time_mape": 0.08, "loo_memory_mape": 0.04,
+            "source": {"command": "autoplan calibrate --runs a.json b.json"}}
+
+
 def _read_pointer(path: Path):
     from autoplan.runtime.checkpoint import latest_checkpoint
     directory = path.parent
@@ -199,6 +220,25 @@ def _ok_scenario(sc) -> None:
     assert "/" not in sc.name and not sc.name.startswith(".") and sc.global_batch >= 1
 
 
+def _numbers_finite(obj) -> None:
+    import dataclasses
+    for f in dataclasses.fields(obj):
+        v = getattr(obj, f.name)
+        if isinstance(v, (int, float)) and not isinstance(v, bool):
+            assert math.isfinite(v), f.name
+
+
+def _ok_stack(stack) -> None:
+    _numbers_finite(stack)
+
+
+def _ok_calibration(cal) -> None:
+    _numbers_finite(cal)
+    for d in cal.devices.values():
+        assert _finite_positive(d.compute_scale) and math.isfinite(d.step_overhead_s) and d.step_overhead_s >= 0
+    assert _finite_positive(cal.activation_scale)
+
+
 def _ok_pointer(found) -> None:
     step, path = found
     assert step >= 0 and path.name == f"step_{step:08d}"
@@ -223,6 +263,9 @@ FORMATS = {
     "profile": Format(_profile_doc, _read_profile, _ok_profile),
     "run-record": Format(_record_doc, _read_record, _ok_record),
     "scenario": Format(_scenario_doc, _read_scenario, _ok_scenario),
+    "stack": Format(lambda: json.loads((REPO / "autoplan/data/stacks/megatron-core.json").read_text()),
+                    _read_stack, _ok_stack),
+    "calibration": Format(_calibration_doc, _read_calibration, _ok_calibration),
     "checkpoint-pointer": Format(lambda: {"step": 20, "path": "step_00000020"}, _read_pointer, _ok_pointer),
     "checkpoint-train-state": Format(lambda: {"step": 20, "world_size": 2, "seed": 0, "plan": _plan_doc(),
                                               "model": {"name": "gpt-tiny", "num_params": 100},
