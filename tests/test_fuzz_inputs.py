@@ -33,8 +33,9 @@ from autoplan.errors import AutoplanError, ConfigError
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLES_PER_FORMAT = 70
-TIME_LIMIT_S = 20
-"""A read (and what follows it) taking longer than this counts as a hang."""
+TIME_LIMIT_S = 60
+"""A read (and what follows it) taking longer than this counts as a hang (generous: the
+suite shares two cores with other work; a real hang never ends)."""
 TOTALS: dict[str, dict[str, int]] = {}
 
 # ------------------------------------------------------------------------ base documents
@@ -383,6 +384,19 @@ def _judge(name: str, raw: bytes) -> str:
             TOTALS[name]["nonsense"] += 1
             raise
         return "ok"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _warm_up():
+    """One-off work (imports, the measured gpt-tiny spec the profile reads use) done before
+    the clock of any read starts, so only the read itself is timed."""
+    import sys
+    sys.path.insert(0, str(REPO))
+    import benchmarks.bench  # noqa: F401
+    import costmodel.calibration  # noqa: F401
+    from autoplan.models import get
+    from autoplan.profiler import ProfileStore  # noqa: F401
+    get("gpt-tiny", dtype="fp32")
 
 
 @pytest.mark.parametrize("name", list(FORMATS))
