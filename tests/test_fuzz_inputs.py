@@ -32,7 +32,7 @@ from hypothesis import strategies as st
 from autoplan.errors import AutoplanError, ConfigError
 
 REPO = Path(__file__).resolve().parents[1]
-EXAMPLES_PER_FORMAT = 70
+EXAMPLES_PER_FORMAT = 50
 TIME_LIMIT_S = 60
 """A read (and what follows it) taking longer than this counts as a hang (generous: the
 suite shares two cores with other work; a real hang never ends)."""
