@@ -110,7 +110,7 @@ ARG_TRAPS = {
     "out-in-missing-dir": (SEARCH + ["--out", "no/such/dir/plan.json"], "does not exist"),
     "out-is-a-dir": (SEARCH + ["--out", "examples"], "is a directory"),
     "tp-not-dividing-heads": (SEARCH + ["--tp", "3"], "3 does not divide the model's 16 attention heads"),
-    "tp-zero": (SEARCH + ["--tp", "0"], "--tp"),
+    "tp-zero": (SEARCH + ["--tp", "0"], "tp: must be integers in 1.."),
     "thousand-node-groups": (["search", "--cluster", "{many}", "--model", "gpt2-medium", "--global-batch", "8"],
                              "at most 64"),
     "ten-thousand-layers": (["search", "--cluster", "examples/clusters/dgx-a100-1node.json", "--model", "{deep}",

@@ -16,9 +16,9 @@ def _ints(text: str) -> list[int]:
         values = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers") from None
-    if not values or any(v < 1 for v in values):
-        raise argparse.ArgumentTypeError(f"{text!r} must list positive integers, e.g. 1,2,4")
-    return values
+    if not values:
+        raise argparse.ArgumentTypeError(f"{text!r} lists no integers, e.g. 1,2,4")
+    return values   # ranges are checked by search.space.Constraints (--zero takes 0)
 
 
 def _words(text: str) -> list[str]:

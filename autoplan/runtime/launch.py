@@ -42,6 +42,10 @@ def rank_env(base: dict, rank: int, world: int, init_method: str) -> dict:
     env = dict(base)
     env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
                GROUP_RANK="0", NNODES="1", MASTER_ADDR="127.0.0.1", **{INIT_METHOD_ENV: init_method})
+    # One intra-op thread per rank unless asked otherwise, as torchrun does: ranks sharing
+    # the cores would oversubscribe them (and a run's float results would depend on it).
+    if world > 1:
+        env.setdefault("OMP_NUM_THREADS", "1")
     lo = loopback_interface()
     if lo:
         # Keep gloo's and NCCL's connections between the ranks on the loopback interface
