@@ -75,8 +75,8 @@ def read_metadata(path: str | os.PathLike) -> Metadata:
     try:
         with open(file, "rb") as f:
             metadata = _MetadataUnpickler(f).load()
-    except (pickle.UnpicklingError, EOFError, AttributeError, ValueError, TypeError, IndexError,
-            KeyError, OSError, UnicodeDecodeError) as e:
+    except Exception as e:   # noqa: BLE001 - nothing but allowed classes is built, so any failure is a bad file
+        # (a corrupt pickle can raise almost anything: EOFError, OverflowError, struct.error, ...)
         raise ConfigError(str(file), f"is not checkpoint metadata ({str(e)[:120]})",
                           "delete this checkpoint (or choose another --checkpoint-dir)") from None
     if not isinstance(metadata, Metadata):
