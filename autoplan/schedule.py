@@ -38,6 +38,17 @@ class Action(NamedTuple):
 
 
 @dataclass(frozen=True)
+class CompiledProgram:
+    """A schedule program in the form the simulator walks (see ScheduleProgram.compiled)."""
+
+    ranks: tuple[tuple[tuple, ...], ...]
+    """ranks[g][i] = (action number, stage, kind, sends: 0 none / 1 forward / 2 backward,
+    ((dependency's number, crosses ranks, dependency's stage), ...)) of rank g's i-th action."""
+    size: int
+    """Actions in the program (numbers run 0 .. size - 1, rank by rank in program order)."""
+
+
+@dataclass(frozen=True)
 class ScheduleProgram:
     """Per-rank ordered compute actions for one iteration."""
 
@@ -76,6 +87,19 @@ class ScheduleProgram:
         once per program, since the simulator walks it for every estimate."""
         return tuple(tuple(tuple((d, self.crosses_ranks(d, a)) for d in self.dependencies(a)) for a in r)
                      for r in self.ranks)
+
+    @cached_property
+    def compiled(self) -> "CompiledProgram":
+        """The program with actions numbered, for the simulator's inner loop (lists indexed
+        by integers instead of dictionaries keyed by actions)."""
+        index = {a: i for i, a in enumerate(a for r in self.ranks for a in r)}
+        code = {"": 0, "forward": 1, "backward": 2}
+        table = self.dependency_table
+        ranks = tuple(tuple((index[a], a.stage, a.kind, code[self.sends(a)],
+                             tuple((index[d], crosses, d.stage) for d, crosses in table[g][i]))
+                            for i, a in enumerate(r))
+                      for g, r in enumerate(self.ranks))
+        return CompiledProgram(ranks=ranks, size=len(index))
 
     def sends(self, action: Action) -> str:
         """'forward' or 'backward' when the action's result must go to another rank, else ''."""

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field, replace
 from autoplan.cluster import Cluster
 from autoplan.errors import ConfigError
 from autoplan.models.spec import ModelSpec
-from autoplan.plan import Plan
+from autoplan.plan import DeviceGroup, Plan
 from autoplan.schedule import build_program
 from autoplan.stacks import Stack, get_stack
 from autoplan.units import DTYPE_BYTES, GiB
@@ -182,11 +182,31 @@ def stage_costs(model: ModelSpec, cluster: Cluster, plan: Plan, options: Estimat
     stack = options.stack
     out = []
     n = len(plan.stages)
+    # Collective and transfer times depend only on the ranks and the bytes: the units of a
+    # stage (and the chunks of a group) repeat them, so each is computed once per plan.
+    memo: dict = {}
+
+    def worst(groups, nbytes: float, kind: str) -> float:
+        key = (id(groups), nbytes, kind)
+        hit = memo.get(key)
+        if hit is None:
+            hit = memo[key] = _worst(cluster, groups, nbytes, kind)
+        return hit
+
+    def p2p(src: DeviceGroup, dst: DeviceGroup, nbytes: float) -> float:
+        key = (id(src), id(dst), nbytes, "p2p")
+        hit = memo.get(key)
+        if hit is None:
+            hit = memo[key] = p2p_time(cluster, src.tp_groups(), dst.tp_groups(), nbytes)
+        return hit
+
+    tp_groups_of = {id(g): g.tp_groups() for g in plan.groups}
+    dp_groups_of = {id(g): g.dp_groups() for g in plan.groups}
     for s_idx, stage in enumerate(plan.stages):
         group = plan.groups[stage.group]
         tp, dp = group.tp, group.dp
         layers = model.layers[stage.start:stage.end]
-        tp_groups, dp_groups = group.tp_groups(), group.dp_groups()
+        tp_groups, dp_groups = tp_groups_of[id(group)], dp_groups_of[id(group)]
         fwd = bwd = bwd_i = bwd_w = 0.0
         # A group of mixed device types runs at the pace of its slowest member.
         for dev in _group_devices(cluster, group.ranks):
@@ -212,10 +232,10 @@ def stage_costs(model: ModelSpec, cluster: Cluster, plan: Plan, options: Estimat
                 # matmul all-reduces its input gradient (the previous unit's output size).
                 size = layer.output_bytes if layer.kind != "head" else model.layers[max(i - 1, 0)].output_bytes
                 if layer.tp_allreduces_fwd:
-                    tp_f += layer.tp_allreduces_fwd * _worst(cluster, tp_groups, b * size, "all_reduce")
+                    tp_f += layer.tp_allreduces_fwd * worst(tp_groups, b * size, "all_reduce")
                 if layer.kind == "head" and not stack.vocab_parallel_loss:
                     # The loss needs the full vocabulary on every rank: gather the logits.
-                    tp_f += _worst(cluster, tp_groups, b * layer.output_bytes, "all_gather")
+                    tp_f += worst(tp_groups, b * layer.output_bytes, "all_gather")
         tp_b = tp_f * (2 if stage.recompute == "full" else 1)
         fwd += tp_f
         bwd_i += tp_b
@@ -226,8 +246,8 @@ def stage_costs(model: ModelSpec, cluster: Cluster, plan: Plan, options: Estimat
             # Parameters are gathered for the forward and again for the backward, and
             # gradients reduce-scattered, every micro-batch; prefetching hides what the
             # compute can cover.
-            gather = _worst(cluster, dp_groups, params * stack.gathered_weights_bytes_per_param, "all_gather")
-            scatter = _worst(cluster, dp_groups, grad_bytes, "reduce_scatter")
+            gather = worst(dp_groups, params * stack.gathered_weights_bytes_per_param, "all_gather")
+            scatter = worst(dp_groups, grad_bytes, "reduce_scatter")
             fwd = max(fwd, gather)
             extra = max(0.0, gather + scatter - bwd)
             bwd_i += extra
@@ -235,7 +255,7 @@ def stage_costs(model: ModelSpec, cluster: Cluster, plan: Plan, options: Estimat
             reduce = 0.0
         elif dp > 1:
             kind = "reduce_scatter" if plan.zero >= 1 else "all_reduce"
-            reduce = _worst(cluster, dp_groups, grad_bytes, kind)
+            reduce = worst(dp_groups, grad_bytes, kind)
         else:
             reduce = 0.0
         out_bytes = b * layers[-1].output_bytes
@@ -247,13 +267,13 @@ def stage_costs(model: ModelSpec, cluster: Cluster, plan: Plan, options: Estimat
         if s_idx < n - 1:
             nxt = plan.groups[plan.stages[s_idx + 1].group]
             if nxt is not group:
-                send_f = p2p_time(cluster, tp_groups, nxt.tp_groups(), out_bytes_sent)
+                send_f = p2p(group, nxt, out_bytes_sent)
         send_b = 0.0
         if s_idx > 0:
             prv = plan.groups[plan.stages[s_idx - 1].group]
             in_bytes = b * model.layers[stage.start - 1].output_bytes
             if prv is not group:
-                send_b = p2p_time(cluster, tp_groups, prv.tp_groups(), in_bytes)
+                send_b = p2p(group, prv, in_bytes)
         act = activation_bytes(layers, stage.recompute, b, tp, sp, stack, dtype)
         out.append(StageCosts(forward=fwd, backward=bwd, backward_input=bwd_i, backward_weight=bwd_w,
                               send_forward=send_f, send_backward=send_b, activation_bytes=act,

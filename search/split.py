@@ -165,14 +165,21 @@ class Splitter:
         # cheap); a split found under that limit is optimal, as every longer stage would
         # cost more. Otherwise the limit widens, up to the caller's.
         limit = free.period * 1.25
-        for _ in range(3):
+        widest = None
+        for i in range(3):
             if limit >= period_limit:
                 break
             found = self._split_dp(sk, st, modes, objective, limit, joint)
             if found is not None:
                 return found
+            if i == 0:
+                # Where no split fits under the caller's limit, none fits under a
+                # narrower one: one DP says so instead of three.
+                widest = self._split_dp(sk, st, modes, objective, period_limit, joint)
+                if widest is None:
+                    return None
             limit *= 2
-        return self._split_dp(sk, st, modes, objective, period_limit, joint)
+        return widest if widest is not None else self._split_dp(sk, st, modes, objective, period_limit, joint)
 
     def free_period(self, sk: Skeleton, st: Setting, modes: tuple[str, ...]) -> float:
         """The least period (slowest stage, seconds per micro-batch) any split of ``sk``
@@ -275,56 +282,77 @@ class Splitter:
                 hit = bands[id(mats)] = np.where(valid[None], mats[:, start, ends], fill)[qs]
             return hit
 
-        # Stages on groups with the same matrices are costed together: cost[e, d] (inf
-        # where it does not fit) and the recompute mode chosen, for every stage at once.
-        alike: dict = {}
-        for j in range(S):
-            g, chunk = j % P, j // P
-            cap = self.tables.capacity(sk.kinds[g].pool) - self.tables.fixed_bytes(sk.kinds[g].pool, sk.groups[g], P)
+        # What a stage needs depends on its group (and, through the budget share and the
+        # in-flight count, on its chunk): look the group's matrices up once.
+        per_group = []
+        for g in range(P):
             time_m = self._time_mats(sk, g, st)
             if unlimited:
-                alike.setdefault((id(time_m),), (time_m, None, None, [], [], []))[3].append(j)
+                per_group.append((time_m, None, None, 0.0))
                 continue
+            pool = sk.kinds[g].pool
+            cap = self.tables.capacity(pool) - self.tables.fixed_bytes(pool, sk.groups[g], P)
             if v == 1:
-                budget = cap
                 base, act = self._mem_mats(sk, g, st)
+                per_group.append((time_m, base, act, cap))
             else:
                 # A group's chunks share its memory, but its transient peak happens once:
                 # set aside the largest transient the group can see, split the rest.
-                budget = (cap - self.tables.dynamic_factor * self._transient_reserve(sk, g, st, qs)) \
-                    * shares[g][chunk]
                 base, act = self._states_mats(sk, g, st)
-            entry = alike.setdefault((id(time_m), id(base), id(act)), (time_m, base, act, [], [], []))
-            entry[3].append(j)
-            entry[4].append(counts[g][chunk])
-            entry[5].append(budget)
+                per_group.append((time_m, base, act, cap - self.tables.dynamic_factor
+                                  * self._transient_reserve(sk, g, st, qs)))
+        # Stages on groups with the same matrices are costed together: cost[e, d] (inf
+        # where it does not fit) and the recompute mode chosen, for every stage at once;
+        # stages with the same in-flight count and budget share one computation.
+        alike: dict = {}
+        for j in range(S):
+            g, chunk = j % P, j // P
+            time_m, base, act, room = per_group[g]
+            if unlimited:
+                alike.setdefault((id(time_m),), (time_m, None, None, {}))[3].setdefault(None, []).append(j)
+                continue
+            budget = room if v == 1 else room * shares[g][chunk]
+            entry = alike.setdefault((id(time_m), id(base), id(act)), (time_m, base, act, {}))
+            entry[3].setdefault((counts[g][chunk], budget), []).append(j)
         costs = np.empty((S, L + 1, K))
         choices = np.empty((S, L + 1, K), dtype=np.int8)
-        q_index = np.array(qs, dtype=np.int8)
-        for time_m, base, act, js, n_inflight, budgets in alike.values():
-            t_band = band(time_m, INF)[None]                     # (1, modes, L + 1, K)
+        limited = np.isfinite(period_limit)
+        for time_m, base, act, rows in alike.values():
+            t_band = band(time_m, INF)                           # (modes, L + 1, K)
             if unlimited:
-                val = np.broadcast_to(t_band, (len(js),) + t_band.shape[1:])
-            else:
-                n = np.array(n_inflight, dtype=float)[:, None, None, None]
-                cap_j = np.array(budgets)[:, None, None, None]
-                need = band(base, 0.0)[None] + n * band(act, 0.0)[None]
+                js = rows[None]
+                costs[js] = t_band[0]
+                choices[js] = qs[0]
+                continue
+            keys = list(rows)
+            n = np.array([k[0] for k in keys], dtype=float)[:, None, None]
+            cap_j = np.array([k[1] for k in keys])[:, None, None]
+            base_b, act_b = band(base, 0.0), band(act, 0.0)
+            best = choice = None
+            for i, q in enumerate(qs):
+                need = base_b[i][None] + n * act_b[i][None]
                 if objective == "memory":
                     # A device with no budget left (cap 0) takes nothing: any need is
-                    # infinite there, and 0/0 must not become NaN (argmin would pick it).
+                    # infinite there, and 0/0 must not become NaN.
                     with np.errstate(divide="ignore", invalid="ignore"):
                         frac = np.where(cap_j > 0, need / np.where(cap_j > 0, cap_j, 1.0),
                                         np.where(need > 0, INF, 0.0))
-                    val = np.where(t_band <= period_limit, frac, INF)
+                    val = np.where(t_band[i][None] <= period_limit, frac, INF)
                 else:
-                    val = np.where(need <= cap_j, t_band, INF)
-                    if np.isfinite(period_limit):
+                    val = np.where(need <= cap_j, t_band[i][None], INF)
+                    if limited:
                         val = np.where(val <= period_limit, val, INF)
-            # The first of equal modes wins: the fastest (modes are listed fastest first).
-            arg = val.argmin(axis=1)
-            best = np.take_along_axis(val, arg[:, None], axis=1)[:, 0]
-            costs[js] = best
-            choices[js] = q_index[arg]
+                # The first of equal modes wins: the fastest (modes are listed fastest
+                # first), so a later mode must be strictly better.
+                if best is None:
+                    best, choice = val, np.full(val.shape, q, dtype=np.int8)
+                else:
+                    better = val < best
+                    best = np.where(better, val, best)
+                    choice = np.where(better, np.int8(q), choice)
+            for r, k in enumerate(keys):
+                costs[rows[k]] = best[r]
+                choices[rows[k]] = choice[r]
         period = _minmax(costs, start, valid, L)
         if period is None:
             return None

@@ -12,6 +12,7 @@ maximum transient), which the tests check plan by plan.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 
@@ -93,6 +94,14 @@ class LayerTable:
     @property
     def units(self) -> int:
         return len(self.forward)
+
+    @cached_property
+    def scalars(self) -> dict:
+        """The prefix sums and range maxima as nested Python lists (same values): indexing
+        them one stage at a time is several times faster than indexing the arrays."""
+        return {name: getattr(self, name).tolist() for name in (
+            "cum_forward", "cum_backward_input", "cum_backward_weight", "cum_params", "cum_cast_params",
+            "cum_activation", "output_bytes", "max_params", "max_transient")}
 
 
 def _range_max(x: np.ndarray) -> np.ndarray:
@@ -331,8 +340,10 @@ class Tables:
         ``p2p_time``, which takes the slowest of the replica-to-replica pair transfers.
         A pair's time depends only on (share, same node, node groups), so each such class
         is timed once with ``p2p_time`` on one representative pair."""
-        key = (src, dst, nbytes)
-        hit = self._p2p.get(key)
+        # Keyed by identity (as dp_affines): hashing a group hashes all its ranks.
+        key = (id(src), id(dst), nbytes)
+        entry = self._p2p.get(key)
+        hit = entry[2] if entry is not None and entry[0] is src and entry[1] is dst else None
         if hit is None:
             slots = self.cluster.slots
             classes: dict[tuple, tuple[int, int, float]] = {}
@@ -346,15 +357,16 @@ class Tables:
                     classes.setdefault((share, sa.node == sb.node, sa.group, sb.group), (a, b, share))
             hit = max((p2p_time(self.cluster, [(a,)], [(b,)], share) for a, b, share in classes.values()),
                       default=0.0) if nbytes > 0 else 0.0
-            self._p2p[key] = hit
+            self._p2p[key] = (src, dst, hit)
         return hit
 
     def p2p_classes(self, src: DeviceGroup, dst: DeviceGroup) -> tuple[tuple[float, float, int], ...]:
         """(latency, seconds per byte, width) of every distinct pair class of a transfer
         from ``src`` to ``dst``: p2p_time(n) = max over classes of latency + n / width *
         seconds per byte (read off p2p_time itself at two sizes)."""
-        key = (src, dst)
-        hit = self._p2p_classes.get(key)
+        key = (id(src), id(dst))
+        entry = self._p2p_classes.get(key)
+        hit = entry[2] if entry is not None and entry[0] is src and entry[1] is dst else None
         if hit is None:
             slots = self.cluster.slots
             reps: dict[tuple, tuple[int, int, int]] = {}
@@ -370,7 +382,8 @@ class Tables:
                 t2 = p2p_time(self.cluster, [(a,)], [(b,)], 2 * PROBE)
                 rate = (t2 - t1) / PROBE
                 out.append((t1 - rate * PROBE, rate, width))
-            hit = self._p2p_classes[key] = tuple(out)
+            hit = tuple(out)
+            self._p2p_classes[key] = (src, dst, hit)
         return hit
 
     def optimizer_rate(self, pool: int) -> float:
