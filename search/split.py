@@ -62,8 +62,11 @@ class Splitter:
         self._time: dict = {}
         self._mem: dict = {}
         self._band: dict = {}
+        self._bands: dict = {}
         self._reserve: dict = {}
         self._free: dict = {}
+        self._free_mixed: dict = {}
+        self._shares: dict = {}
         self.runs = 0
         """DP runs (for the search statistics; splits shared from the cache not counted)."""
 
@@ -196,15 +199,22 @@ class Splitter:
         # Under ZeRO-3 the stage times depend on each group's collectives.
         comm = tuple((self.tables.dp_affines(g, "all_gather"), self.tables.dp_affines(g, "reduce_scatter"))
                      for g in sk.groups) if z3 else None
-        if len(set(sk.kinds)) > 1:
-            # A mixed pipeline's kinds are rarely seen twice: not cached.
-            return self._split_dp(sk, st, modes[:1], "time", period_limit, False, unlimited=True)
         sp = st.sequence_parallel and any(k.tp > 1 for k in sk.kinds)
         # On one device kind in one mode every split has the same total work, so the
         # micro-batch count, which only trades period against total, is left out (except
         # under ZeRO-3, whose exposed gathers make totals differ): the least period wins.
         m = st.num_micro_batches
         key = (sk.kinds, st.micro_batch, sp, v, modes[0], comm, m if z3 and m < 4 * sk.pp else None)
+        if len(set(sk.kinds)) > 1:
+            # A mixed pipeline is seen again by the same candidate's other attempts (and
+            # its other ZeRO stages and schedules), mostly under the same period limit:
+            # cached under exactly that limit.
+            key = key + (period_limit,)
+            hit = self._free_mixed.get(key)
+            if hit is None:
+                hit = self._free_mixed[key] = (self._split_dp(sk, st, modes[:1], "time", period_limit, False,
+                                                              unlimited=True),)
+            return hit[0]
         # Cached with the period limit it was computed under: a split within that limit is
         # the least period under any limit; "none within this limit" (None, or a split
         # over it) also holds for every smaller limit.
@@ -273,14 +283,18 @@ class Splitter:
             fl = inflight(st.schedule, P, st.num_micro_batches, v)
             counts = fl.joint if joint else fl.per_chunk
             shares = self._chunk_shares(sk, st, counts)
-        # Band views (stage ending at e with d + 1 units), shared by stages on equal groups.
-        bands: dict = {}
+        mode_key = tuple(qs)
 
         def band(mats: np.ndarray, fill: float) -> np.ndarray:
-            hit = bands.get(id(mats))
-            if hit is None:
-                hit = bands[id(mats)] = np.where(valid[None], mats[:, start, ends], fill)[qs]
-            return hit
+            """The band view (stage ending at e with d + 1 units) of a cached matrix, for
+            the modes allowed: built once at full width, then sliced to this DP's K."""
+            key = (id(mats), mode_key)
+            hit = self._bands.get(key)
+            if hit is None or hit[0] is not mats:
+                full_start, full_valid = self._index(L)
+                wide = np.where(full_valid[None], mats[:, full_start, ends], fill)
+                hit = self._bands[key] = (mats, wide if mode_key == (0, 1, 2) else wide[qs])
+            return hit[1][:, :, :K]
 
         # What a stage needs depends on its group (and, through the budget share and the
         # in-flight count, on its chunk): look the group's matrices up once.
@@ -416,7 +430,11 @@ class Splitter:
         P, v = sk.pp, st.virtual_stages
         if v == 1:
             return [[1.0] for _ in range(P)]
-        out = []
+        key = (sk.kinds, sk.dp, st.micro_batch, st.sequence_parallel, st.zero, counts)
+        hit = self._shares.get(key)
+        if hit is not None:
+            return hit
+        out = self._shares[key] = []
         for g in range(P):
             t = self.tables.table(sk.kinds[g], st.micro_batch, st.sequence_parallel)
             states = self.tables.state_bytes(float(t.cum_params[self.L]), 0.0, sk.dp, st.zero)

@@ -340,10 +340,8 @@ class Tables:
         ``p2p_time``, which takes the slowest of the replica-to-replica pair transfers.
         A pair's time depends only on (share, same node, node groups), so each such class
         is timed once with ``p2p_time`` on one representative pair."""
-        # Keyed by identity (as dp_affines): hashing a group hashes all its ranks.
-        key = (id(src), id(dst), nbytes)
-        entry = self._p2p.get(key)
-        hit = entry[2] if entry is not None and entry[0] is src and entry[1] is dst else None
+        key = (src, dst, nbytes)
+        hit = self._p2p.get(key)
         if hit is None:
             slots = self.cluster.slots
             classes: dict[tuple, tuple[int, int, float]] = {}
@@ -357,16 +355,15 @@ class Tables:
                     classes.setdefault((share, sa.node == sb.node, sa.group, sb.group), (a, b, share))
             hit = max((p2p_time(self.cluster, [(a,)], [(b,)], share) for a, b, share in classes.values()),
                       default=0.0) if nbytes > 0 else 0.0
-            self._p2p[key] = (src, dst, hit)
+            self._p2p[key] = hit
         return hit
 
     def p2p_classes(self, src: DeviceGroup, dst: DeviceGroup) -> tuple[tuple[float, float, int], ...]:
         """(latency, seconds per byte, width) of every distinct pair class of a transfer
         from ``src`` to ``dst``: p2p_time(n) = max over classes of latency + n / width *
         seconds per byte (read off p2p_time itself at two sizes)."""
-        key = (id(src), id(dst))
-        entry = self._p2p_classes.get(key)
-        hit = entry[2] if entry is not None and entry[0] is src and entry[1] is dst else None
+        key = (src, dst)
+        hit = self._p2p_classes.get(key)
         if hit is None:
             slots = self.cluster.slots
             reps: dict[tuple, tuple[int, int, int]] = {}
@@ -382,8 +379,7 @@ class Tables:
                 t2 = p2p_time(self.cluster, [(a,)], [(b,)], 2 * PROBE)
                 rate = (t2 - t1) / PROBE
                 out.append((t1 - rate * PROBE, rate, width))
-            hit = tuple(out)
-            self._p2p_classes[key] = (src, dst, hit)
+            hit = self._p2p_classes[key] = tuple(out)
         return hit
 
     def optimizer_rate(self, pool: int) -> float:
