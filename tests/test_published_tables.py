@@ -99,6 +99,7 @@ def test_report_figures_are_computed(built):
     rep = T.evaluate(rows)
     assert len(rep.results) == 4 and len(rep.brackets) == 1 and len(rep.skipped) == 2
 
+    assert rep.groups("AMP GPT-2 trials") == ["16 x T4"] and rep.groups("torchtitan benchmarks") == []
     amp = rep.stats("AMP GPT-2 trials")
     assert amp.rows == 2 and len(amp.time_errors) == 1 and amp.failed_rows == 1
     assert math.isfinite(amp.time_mape) and amp.time_mape == abs(amp.time_signed)

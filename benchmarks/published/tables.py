@@ -123,6 +123,9 @@ class PublishedRow:
     """Explicit stage boundaries over the model's units (pp + 1 numbers), else an even split."""
     dtype: str = "bf16"
     stack: str
+    stack_overrides: dict = field(default_factory=dict)
+    """Behaviour switches of the stack the source says this run did without (e.g. no
+    overlap of data-parallel communication); never a numeric constant."""
     status: str = "ok"
     """'ok' (ran), 'OOM' (ran out of memory) or 'failed' (no timing, cause not logged)."""
     measured_time_s: float | None = None
@@ -138,6 +141,8 @@ class PublishedRow:
     peak_ranks: str = "all"
     """'all': the peak over every rank; 'ends': over the first and last pipeline stage."""
     confidence: str = "high"
+    group: str = ""
+    """A part of the source reported separately (e.g. its runs on another stack or cluster)."""
     note: str = ""
 
     @property
@@ -398,7 +403,9 @@ def megascale() -> list:
     per_token = (table2.mfu * table2.num_gpus * table2.iter_time_s / table2.global_batch_tokens)
     out = []
     for r in df.itertuples():
-        ref = f"{r.source_table}: {r.model}, {int(r.num_gpus)} GPUs, batch {int(r.global_batch)}"
+        table = r.source_table.split(" (")[0] + (f" {r.source_table.split('), ')[-1]}" if "), row" in r.source_table
+                                                   else "")
+        ref = f"{table}: {r.model}, {int(r.num_gpus)} GPUs, batch {int(r.global_batch)}"
         is_baseline = "Megatron-LM" in r.model and "with" not in r.model
         if not is_baseline:
             out.append(Skipped("MegaScale 175B", ref, "MegaScale's system changes the model (parallel transformer "
@@ -419,10 +426,14 @@ def megascale() -> list:
                          "8 x 200G NICs per 8-GPU server = 25 GB/s per GPU (source)",
             tp=int(r.tp), pp=int(r.pp), dp=int(r.dp), global_batch=int(r.global_batch), micro_batch=None,
             virtual=int(r.vpp), recompute=None, sequence_parallel=None, zero=(0, 1), stack="megatron-core",
+            # Table 3 lists TP, PP and DP communication overlap among MegaScale's additions to
+            # this baseline: the baseline ran without them.
+            stack_overrides=dict(overlap_grad_reduce=False, overlap_param_gather=False, blocking_p2p=True),
             measured_time_s=t, time_note=note,
             confidence="high (Table 2); medium (GPU model, ffn = 4h; micro-batch, recompute, SP, optimizer "
                        "sharding not stated)",
-            note="Megatron-LM @285068c8; MegaScale is built on Megatron-LM"))
+            note="Megatron-LM @285068c8 without DP/PP communication overlap (MegaScale Table 3 adds them); "
+                 "MegaScale is built on Megatron-LM"))
     return out
 
 
@@ -533,8 +544,11 @@ def bloom_sweep() -> list:
         if _num(r.heads) is None:
             out.append(Skipped("BLOOM topology sweep", ref, "number of heads not given"))
             continue
-        bf16_opt = "BF16 optimizer" in _text(r.precision)
-        fp16 = _text(r.precision).startswith("fp16")
+        precision = _text(r.precision)
+        fp16 = precision.startswith("fp16")
+        # From 02-28 the sweep ran DeepSpeed's new BF16 optimizer (fp32 gradient accumulation,
+        # what the stack describes); before, ZeRO-1 kept 2-byte gradients.
+        bf16_optimizer = precision.startswith("bf16") and "BF16 optimizer" in precision
         out.append(PublishedRow(
             source="BLOOM topology sweep", ref=ref, model=f"{int(r.layers)}x{int(r.hidden)}, {int(r.heads)} heads",
             layers=int(r.layers), hidden=int(r.hidden), heads=int(r.heads), seq_len=int(r.seq_len),
@@ -547,9 +561,8 @@ def bloom_sweep() -> list:
             peak_kind="device", peak_ranks="ends",
             confidence="high (numbers); medium (heads of the 02-21 tables, recompute and ZeRO-1 assumed by the "
                        "data set)",
-            note=("BF16 optimizer (fp32 gradients, as the stack)" if bf16_opt else
-                  "fp16 ZeRO-1: fp16 gradients, the stack's fp32 gradient buffer overstates memory by 2 B/param")
-            + "; 2nd-iteration time only"))
+            group="BF16 optimizer (fp32 gradients)" if bf16_optimizer else "ZeRO-1 before it (2-byte gradients)",
+            note="2nd-iteration time only"))
     return out
 
 
@@ -569,12 +582,13 @@ def narayanan_table2() -> list:
             time_note="derived from TFLOP/s with the paper's Eq. 3 (V = 51,200)")
         if zero3:
             out.append(PublishedRow(**common, recompute=None, recompute_options=RECOMPUTE_2021, zero=3,
-                                    stack="deepspeed",
+                                    stack="deepspeed", group="ZeRO-3 (deepspeed)",
                                     confidence="high (numbers); recompute not stated",
                                     note="DeepSpeed ZeRO-3 on Megatron's GPT model; the deepspeed stack "
                                          "describes current DeepSpeed (fused attention class)"))
         else:
             out.append(PublishedRow(**common, virtual=None, recompute="full", zero=0, stack="megatron-lm-2021",
+                                    group="PTD-P (megatron-lm-2021)",
                                     confidence="high (numbers); medium (tp = 8 and pp = mp/8 assumed)"))
     return out
 
@@ -658,6 +672,7 @@ def amp_trials() -> list:
             recompute="none", zero=0, split=split, dtype="fp16", stack="megatron-deepspeed", status=status,
             measured_time_s=_num(r.iter_time_s),
             confidence="high" if kind == "homogeneous" else "medium (rank-to-GPU order inferred)",
+            group="16 x T4" if kind == "homogeneous" else "12 x V100 + 4 x T4",
             note="DeepSpeed fp16 optimizer without ZeRO: fp16 gradients (the stack: fp32), no ZeRO buckets"))
     return out
 
@@ -682,11 +697,14 @@ SOURCES: tuple[Source, ...] = (
            "the nearest shipped stack to Meta's own (bf16 weights, fp32 gradient accumulation and reduce-scatter, "
            "sharded optimizer states)"),
     Source("MegaScale 175B", megascale, "megatron-core",
-           "the rows are MegaScale's Megatron-LM baseline; MegaScale itself is built on Megatron-LM"),
+           "the rows are MegaScale's Megatron-LM baseline (MegaScale itself is built on Megatron-LM), run without "
+           "overlap of DP and PP communication, which MegaScale's Table 3 adds"),
     Source("torchtitan benchmarks", torchtitan_benchmarks, "torchtitan"),
     Source("torchtitan docs/performance", torchtitan_docs, "torchtitan"),
     Source("BLOOM 176B run", bloom_run, "megatron-deepspeed"),
-    Source("BLOOM topology sweep", bloom_sweep, "megatron-deepspeed"),
+    Source("BLOOM topology sweep", bloom_sweep, "megatron-deepspeed",
+           "the stack describes the BF16 optimizer the sweep used from 02-28 on; the earlier rows kept 2-byte "
+           "gradients, 2 B/param less than the stack's fp32 gradient buffer"),
     Source("Narayanan 2021 T2", narayanan_table2, "megatron-lm-2021 / deepspeed",
            "PTD-P rows on megatron-lm-2021, ZeRO-3 rows on deepspeed"),
     Source("DeepSpeed Azure ZeRO-3 (low confidence)", deepspeed_azure, "deepspeed", "nothing rebuildable"),
@@ -783,7 +801,7 @@ def evaluate_row(row: PublishedRow, recompute: str | None = None) -> RowResult:
     ``recompute`` overrides the row's mode (for the bounds of a bracketed row)."""
     if recompute is not None:
         row = dataclasses.replace(row, recompute=recompute)
-    stack = get_stack(row.stack)
+    stack = dataclasses.replace(get_stack(row.stack), **row.stack_overrides)
     model = model_for(row, stack)
     tried = []
     for choice, plans in candidate_plans(row, model):
@@ -875,7 +893,8 @@ def amp_layer_checks(stack_name: str = "megatron-deepspeed", dtype: str = "fp16"
         r = g.iloc[0]
         row = PublishedRow(source="AMP layer profile", ref=f"{gpu} tp={tp}", model="GPT-2 24x1024",
                            layers=int(r.layers), hidden=int(r.hidden), heads=int(r.heads), seq_len=int(r.seq_len),
-                           vocab=megatron_vocab(int(r.vocab), int(tp)), dropout=MEGATRON_DROPOUT,
+                           # Only the block is timed, and it does not depend on the vocabulary.
+                           vocab=megatron_vocab(int(r.vocab), 1), dropout=MEGATRON_DROPOUT,
                            tie_embeddings=True, cluster=nodes_of(device_name, int(tp), 1.0, gpus_per_node=4),
                            tp=int(tp), pp=1, dp=1, global_batch=1, dtype=dtype, stack=stack_name)
         block = next(l for l in model_for(row, stack).layers if l.kind == "block")
@@ -962,9 +981,18 @@ class TablesReport:
                    | {s.source for s in self.skipped})
         return [s.name for s in SOURCES if s.name in present]
 
-    def stats(self, source: str) -> SourceStats:
-        res = [r for r in self.results if r.row.source == source]
-        br = [b for b in self.brackets if b.row.source == source]
+    def groups(self, source: str) -> list[str]:
+        """The named parts of a source, in row order (empty when it has none)."""
+        seen = []
+        for r in [r.row for r in self.results] + [b.row for b in self.brackets]:
+            if r.source == source and r.group and r.group not in seen:
+                seen.append(r.group)
+        return seen
+
+    def stats(self, source: str, group: str | None = None) -> SourceStats:
+        """Figures of a source (or of one of its groups)."""
+        res = [r for r in self.results if r.row.source == source and group in (None, r.row.group)]
+        br = [b for b in self.brackets if b.row.source == source and group in (None, b.row.group)]
         clean = [r for r in res if r.fits_agrees is not None]
         failed = [r for r in res if r.row.status == "failed"]
         return SourceStats(
@@ -1005,6 +1033,14 @@ class TablesReport:
             if s.memory_errors:
                 parts.append(f"peak-memory error {_pct(s.memory_mape)} over {len(s.memory_errors)} rows "
                              f"(mean signed {_pct(s.memory_signed, True)})")
+            by_group = [(g, self.stats(name, g)) for g in self.groups(name)]
+            if len(by_group) > 1:
+                parts.append("by part: " + ", ".join(
+                    f"{g}: " + ", ".join(x for x in (
+                        f"time {_pct(gs.time_mape)}" if gs.time_errors else "",
+                        f"memory {_pct(gs.memory_signed, True)} signed" if gs.memory_errors else "",
+                        f"fits/OOM {gs.agree}/{gs.outcomes}" if gs.oom_rows else "") if x)
+                    for g, gs in by_group))
             if s.brackets:
                 parts.append(f"{s.brackets} bracketed rows: time within the none..full bounds "
                              f"{s.bracket_time_within[0]}/{s.bracket_time_within[1]}, peak within "
@@ -1030,12 +1066,15 @@ class TablesReport:
                  "| source | stack | rows | skipped | time MAPE | signed mean | fits/OOM agree | peak-memory MAPE | "
                  "memory signed | bracketed |", "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
         for name in self.sources():
-            s = self.stats(name)
-            agree = f"{s.agree}/{s.outcomes}" if s.oom_rows else (f"({s.agree}/{s.outcomes} fit)" if s.outcomes
-                                                                   else "")
-            lines.append(f"| {name} | {by_name[name].stack} | {s.rows} | {s.skipped} | "
-                         f"{_pct(s.time_mape)} | {_pct(s.time_signed, True)} | {agree} | {_pct(s.memory_mape)} | "
-                         f"{_pct(s.memory_signed, True)} | {s.brackets or ''} |")
+            for group in [None, *self.groups(name)]:
+                s = self.stats(name, group)
+                agree = (f"{s.agree}/{s.outcomes}" if s.oom_rows else
+                         (f"({s.agree}/{s.outcomes} fit)" if s.outcomes else ""))
+                label = name if group is None else f"&nbsp;&nbsp;of which {group}"
+                skipped = s.skipped if group is None else ""
+                lines.append(f"| {label} | {by_name[name].stack if group is None else ''} | {s.rows} | {skipped} | "
+                             f"{_pct(s.time_mape)} | {_pct(s.time_signed, True)} | {agree} | {_pct(s.memory_mape)} | "
+                             f"{_pct(s.memory_signed, True)} | {s.brackets or ''} |")
         lines += ["", "Stacks, clusters and confidence per source:", ""]
         for name in self.sources():
             rows = [r.row for r in self.results if r.row.source == name] + \
