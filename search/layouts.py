@@ -37,6 +37,7 @@ from autoplan.models.opmeasure import OpCost, op_cost
 from autoplan.models.strategies import Strategy, node_strategies, tensor_choices
 from autoplan.units import DTYPE_BYTES
 from costmodel.memory import GRAD_BYTES_PER_PARAM, OPTIMIZER_BYTES_PER_PARAM
+from costmodel.comm import collective_time
 from costmodel.operators import OperatorProfileSource, op_timing
 from autoplan.layouts import backward_target, grad_placement, redistribute_kind
 from costmodel.redistribute import redistribute_time
@@ -144,6 +145,7 @@ class UnitProblem:
         self.cost: dict[tuple[str, int], OpCost] = {}
         self.time: dict[tuple[str, int], tuple[float, float]] = {}
         self.requires_grad: dict[str, bool] = {}
+        self.internal: dict[tuple[str, int], tuple[tuple[str, float], ...]] = {}
         boundary_in = graph.input_nodes[0]
         for n in graph.nodes:
             if n.kind == "param":
@@ -168,6 +170,10 @@ class UnitProblem:
                     if not self.requires_grad[n.name]:
                         bwd = 0.0
                     self.time[(n.name, k)] = (f, bwd)
+                    if s.collectives:
+                        self.internal[(n.name, k)] = tuple(
+                            (phase, max(collective_time(cluster, grp, nbytes * b, kind) for grp in self.groups))
+                            for kind, nbytes, phase in s.collectives)
         # Tensors and who reads them (getitem resolved to the operator output it picks).
         self.readers: dict[tuple[str, int], list[tuple[str, int]]] = {}
         for n in graph.nodes:
@@ -223,7 +229,7 @@ class UnitProblem:
         time_terms, mem_terms = [], []
         self.compute_terms = []
         for (name, k), (f, bwd) in self.time.items():
-            c = int(round((f + bwd) * NS))
+            c = int(round((f + bwd + sum(t for _, t in self.internal.get((name, k), ()))) * NS))
             if c:
                 time_terms.append(c * x[(name, k)])
         # Boundary: the output requirement is a choice too (fixed per solve by assumption).
@@ -378,13 +384,19 @@ class UnitProblem:
 
     def _solution(self, solver, chosen, pin, pout, optimal) -> UnitSolution:
         fwd = bwd = 0.0
+        comm_f = comm_b = 0.0
+        colls = []
         for name, st in chosen.items():
             k = self.choices[name].index(st)
             if (name, k) in self.time:
                 f, b_ = self.time[(name, k)]
                 fwd, bwd = fwd + f, bwd + b_
-        colls = []
-        comm_f = comm_b = 0.0
+            for (phase, t_), (kind, nbytes, _) in zip(self.internal.get((name, k), ()), st.collectives):
+                colls.append(Collective(name, st.inputs[0], st.outputs[0], kind, nbytes, True, phase))
+                if phase == "forward":
+                    comm_f += t_
+                else:
+                    comm_b += t_
         for (tensor, q), need in self.need.items():
             if not solver.Value(need):
                 continue

@@ -32,7 +32,7 @@ from autoplan.layouts import Layouts, UnitLayout, backward_target, grad_placemen
 from autoplan.models.graph import ModelGraph, TensorInfo, UnitGraph
 from autoplan.models.opmeasure import ATTENTION_OPS, OpCost, op_cost
 from autoplan.models.spec import ActivationBytes, Collective, Gemm, LayerSpec, ModelSpec, Split
-from autoplan.models.strategies import Strategy
+from autoplan.models.strategies import Strategy, _fx_node, _vocab_parallel_loss
 
 
 def resolve(graph: UnitGraph, ref: tuple[str, int]) -> tuple[str, int]:
@@ -121,6 +121,12 @@ def implied_collectives(graph: UnitGraph, strategies: dict[str, Strategy], pout:
             kind = redistribute_kind(g, target)
             if kind:
                 out.append(Redistribution(producer, g, target, Collective(kind, info.nbytes, "backward", scaled)))
+    # Collectives inside operators (the vocabulary-parallel loss).
+    for n in graph.nodes:
+        st = strategies.get(n.name)
+        if n.kind == "op" and st is not None:
+            for kind, nbytes, phase in st.collectives:
+                out.append(Redistribution(n.name, st.inputs[0], st.outputs[0], Collective(kind, nbytes, phase, True)))
     return out
 
 
@@ -171,7 +177,12 @@ def unit_strategies(graph: UnitGraph, layout: UnitLayout | None) -> dict[str, St
             if op is None or op.op != n.op_name:
                 raise ConfigError("layouts", f"unit {graph.name}: node {n.name!r} ({n.op_name}) has no matching "
                                   "layout", "the layouts were made for a different model or torch version; search again")
-            out[n.name] = Strategy(tuple(op.outputs), tuple(op.inputs))
+            st = Strategy(tuple(op.outputs), tuple(op.inputs))
+            internal = _vocab_parallel_loss(graph, n, _fx_node(graph, n.name),
+                                            [graph.node(a).outputs[i] for a, i in n.args], 1)
+            if internal is not None and internal.inputs == st.inputs and internal.outputs == st.outputs:
+                st = internal
+            out[n.name] = st
     return out
 
 

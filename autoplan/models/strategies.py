@@ -42,6 +42,9 @@ class Strategy:
     """Placement of each output ('R', 'P', 'S<d>'; None where the output is not a tensor)."""
     inputs: tuple[str | None, ...]
     """Placement each tensor argument must have (None: an argument with no placement)."""
+    collectives: tuple[tuple[str, float, str], ...] = ()
+    """Collectives the operator runs inside (kind, full bytes per sample, phase): only the
+    vocabulary-parallel loss has some (``loss_parallel``)."""
 
     @property
     def divides_work(self) -> bool:
@@ -171,7 +174,14 @@ def _raw_rows(fx: torch.fx.Node, degree: int, excluded: dict[str, frozenset]) ->
                 return a
             tm = _tensor_meta(a.meta["val"])
             return OpStrategy([OpSpec(DTensorSpec(mesh, (p,), tm)) for p in candidates(a)])
-        schema = OpSchema(op, tuple(pytree.tree_map(to_strategy, list(fx.args))), {})
+        from torch.distributed.tensor._op_schema import TupleStrategy
+
+        def wrap(a):
+            # A list of tensors (cat, stack) is one TupleStrategy argument, as DTensor wraps it.
+            if isinstance(a, (list, tuple)) and a and all(_is_tensor_node(x) for x in a):
+                return TupleStrategy(tuple(to_strategy(x) for x in a))
+            return to_strategy(a)
+        schema = OpSchema(op, tuple(wrap(a) for a in fx.args), {})
         strategy = prop.op_strategy_funcs[op](schema)
         if not isinstance(strategy, OpStrategy):
             return rows
@@ -275,7 +285,30 @@ def node_strategies(graph: UnitGraph, node: OpNode, degree: int) -> list[Strateg
     rep = _replicated(node)
     if rep not in seen:
         out.insert(0, rep)
+    vocab = _vocab_parallel_loss(graph, node, fx, in_infos, degree)
+    if vocab is not None:
+        out.append(vocab)
     return out
+
+
+def _vocab_parallel_loss(graph: UnitGraph, node: OpNode, fx: torch.fx.Node, in_infos, degree: int) -> Strategy | None:
+    """Cross-entropy over logits sharded along the classes, as DTensor's ``loss_parallel``
+    (and Megatron's vocabulary-parallel loss) computes it: each rank reduces its share of
+    the classes and three all-reduces of one float per token (max, sum of exponentials,
+    the target's logit) combine them; the backward is local."""
+    if fx.target != torch.ops.aten.cross_entropy_loss.default or len(in_infos) != 2:
+        return None
+    args = list(fx.args) + [None] * 6
+    weight, reduction, ignore, smoothing = args[2], args[3], args[4], args[5]
+    if weight is not None or reduction not in (None, 1) or (smoothing not in (None, 0.0)) \
+            or fx.kwargs.get("label_smoothing", 0.0) or (ignore not in (None, -100)):
+        return None
+    logits = in_infos[0]
+    if logits is None or len(logits.shape) != 2 or not logits.shardable(1, degree):
+        return None
+    tokens = logits.shape[0] * 4.0
+    comm = tuple(("all_reduce", tokens, "forward") for _ in range(3))
+    return Strategy(("R",), ("S1", "R"), comm)
 
 
 def _replicated(node: OpNode) -> Strategy:

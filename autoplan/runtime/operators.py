@@ -206,6 +206,12 @@ class LayoutUnit(nn.Module):
             return n.target(*args, **kwargs)
         if n.target in _global_shape_ops():
             return n.target(*args, **kwargs)
+        if st.collectives:
+            # The vocabulary-parallel loss: DTensor's loss_parallel runs it (and its backward,
+            # see OperatorParallel.backward).
+            from torch.distributed.tensor.parallel import loss_parallel
+            with loss_parallel():
+                return n.target(*args, **kwargs)
         # Local execution of the planned strategy, gradient placements declared per input.
         replicated = st.replicated
         k = [0]
@@ -298,6 +304,21 @@ class OperatorParallel(nn.Module):
         if isinstance(x, DTensor):
             x = x.redistribute(self.tp_mesh, [Replicate()]).to_local()
         return x
+
+    @property
+    def loss_parallel(self) -> bool:
+        """Whether a unit computes the loss over vocabulary-sharded logits; then the backward
+        must run under DTensor's ``loss_parallel`` (use :meth:`backward`)."""
+        return any(st.collectives for u in self.units for st in u.strategies.values())
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """``loss.backward()``, under ``loss_parallel`` when the plan's loss needs it."""
+        if self.loss_parallel:
+            from torch.distributed.tensor.parallel import loss_parallel
+            with loss_parallel():
+                loss.backward()
+        else:
+            loss.backward()
 
     def finish_gradients(self) -> None:
         """Reduce each parameter's gradient to its parameter's placement (a replicated weight
