@@ -33,7 +33,7 @@ from autoplan.cluster import Cluster
 from autoplan.errors import ConfigError
 from autoplan.layouts import Layouts, OpLayout, UnitLayout
 from autoplan.models.graph import ModelGraph, OpNode, TensorInfo, UnitGraph
-from autoplan.models.opmeasure import OpCost, op_cost
+from autoplan.models.opmeasure import OpCost, op_cost, op_key
 from autoplan.models.strategies import Strategy, node_strategies, tensor_choices
 from autoplan.units import DTYPE_BYTES
 from costmodel.memory import GRAD_BYTES_PER_PARAM, OPTIMIZER_BYTES_PER_PARAM
@@ -146,6 +146,8 @@ class UnitProblem:
         self.time: dict[tuple[str, int], tuple[float, float]] = {}
         self.requires_grad: dict[str, bool] = {}
         self.internal: dict[tuple[str, int], tuple[tuple[str, float], ...]] = {}
+        self.measured = 0
+        """Operator timings taken from a measured profile (the rest are roofline)."""
         boundary_in = graph.input_nodes[0]
         for n in graph.nodes:
             if n.kind == "param":
@@ -167,6 +169,7 @@ class UnitProblem:
                     for dev in self.devices:
                         tm = op_timing(dev, c, b, dtype, profiles, key=op_key(graph, n, s, t))
                         f, bwd = max(f, tm.forward), max(bwd, tm.backward)
+                        self.measured += tm.source == "measured"
                     if not self.requires_grad[n.name]:
                         bwd = 0.0
                     self.time[(n.name, k)] = (f, bwd)
@@ -440,16 +443,6 @@ class UnitProblem:
                             param_bytes=params, activation_bytes=act, collectives=colls, optimal=optimal)
 
 
-def op_key(graph: UnitGraph, node: OpNode, strategy: Strategy, degree: int) -> str:
-    """The key an operator profile stores a measurement under: operator, shard shapes, dtype."""
-    from autoplan.models.opmeasure import local_shape
-    shapes = []
-    for (src, idx), p in zip(node.args, strategy.inputs):
-        info = graph.node(src).outputs[idx]
-        shapes.append(f"{'x'.join(map(str, local_shape(info, p, degree, 1)))}:{info.dtype}".replace("torch.", ""))
-    return f"{node.op_name}({','.join(shapes)})|{','.join(p or '-' for p in strategy.inputs)}"
-
-
 # ----------------------------------------------------------------------------- chain
 @dataclass
 class ChainSolution:
@@ -464,6 +457,8 @@ class ChainSolution:
     """Wall-clock seconds the search took (capture excluded)."""
     solves: int
     """CP-SAT solves run."""
+    measured_ops: int = 0
+    """(operator, strategy) timings that came from a measured operator profile."""
     tables: dict[int, dict[tuple[str, str], UnitSolution | None]] = field(default_factory=dict, repr=False)
 
     @property
@@ -543,4 +538,5 @@ def solve_chain(model: ModelGraph, cluster: Cluster, groups: Sequence[Sequence[i
                           f"per rank at degree {settings.degree}", "raise the cap or the degree")
     total, chain = min(best.values(), key=lambda v: v[0])
     return ChainSolution(degree=settings.degree, units=chain, time_s=total,
-                         solve_s=time.perf_counter() - start, solves=solves, tables=tables)
+                         solve_s=time.perf_counter() - start, solves=solves, tables=tables,
+                         measured_ops=sum(p.measured for p in problems.values()))

@@ -247,3 +247,11 @@ def _traced(fx: torch.fx.Node, micro_batch: int) -> dict:
         return dict(flops_f=0.0, flops_b=0.0, fwd=_Census(), bwd=_Census(), saved_in=[0.0] * len(tensors),
                     saved_out=[0.0], internal=0.0)
 
+
+def op_key(graph: UnitGraph, node: OpNode, strategy: Strategy, degree: int) -> str:
+    """The key an operator profile stores a measurement under: operator, shard shapes, dtype."""
+    shapes = []
+    for (src, idx), p in zip(node.args, strategy.inputs):
+        info = graph.node(src).outputs[idx]
+        shapes.append(f"{'x'.join(map(str, local_shape(info, p, degree, 1)))}:{info.dtype}".replace("torch.", ""))
+    return f"{node.op_name}({','.join(shapes)})|{','.join(p or '-' for p in strategy.inputs)}"
