@@ -191,6 +191,10 @@ class UnitProblem:
     def info(self, tensor: tuple[str, int]) -> TensorInfo:
         return self.g.node(tensor[0]).outputs[tensor[1]]
 
+    def root(self, tensor: tuple[str, int]) -> tuple[str, int]:
+        info = self.info(tensor)
+        return info.root if info is not None and info.root is not None else tensor
+
     def tensor_bytes(self, tensor: tuple[str, int]) -> tuple[float, bool]:
         """(bytes per micro-batch of the full tensor, whether it grows with the batch)."""
         info = self.info(tensor)
@@ -302,14 +306,19 @@ class UnitProblem:
                         m.AddBoolOr([zlit[p].Not(), gneed.Not(), pair])
                         time_terms.append(cst * pair)
             for q, lits in saves.items():
-                kib = int(math.ceil(self.local_bytes(tensor, q) * act_mult / KIB))
-                if not kib:
-                    continue
-                sv = m.NewBoolVar(f"saved[{producer},{j},{q}]")
+                # One storage per (base tensor, kind of placement): a view saved sharded
+                # along another dimension than its base was produced in is the same shard.
+                key = (self.root(tensor), q[0])
+                sv = self.saved.get(key)
+                if sv is None:
+                    kib = int(math.ceil(self.local_bytes(key[0], q) * act_mult / KIB))
+                    if not kib:
+                        continue
+                    sv = m.NewBoolVar(f"saved[{key[0][0]},{key[0][1]},{q[0]}]")
+                    self.saved[key] = sv
+                    mem_terms.append(kib * sv)
                 for lit in lits:
                     m.AddImplication(lit, sv)
-                self.saved[(tensor, q)] = sv
-                mem_terms.append(kib * sv)
         for (name, k), c in self.cost.items():
             if c.saved_internal > 0:
                 kib = int(math.ceil(c.saved_internal * s.micro_batch * act_mult / KIB))
@@ -428,9 +437,9 @@ class UnitProblem:
                 numel = n.tensor_out.nbytes / n.tensor_out.dtype.itemsize
                 params += numel * state / (self.settings.degree if p.startswith("S") else 1)
         act = 0.0
-        for (tensor, q), sv in self.saved.items():
+        for (tensor, kind), sv in self.saved.items():
             if solver.Value(sv):
-                act += self.local_bytes(tensor, q) * self.settings.inflight
+                act += self.local_bytes(tensor, kind) * self.settings.inflight
         for name, st in chosen.items():
             k = self.choices[name].index(st)
             c = self.cost.get((name, k))

@@ -45,6 +45,8 @@ class TensorInfo:
     dtype: torch.dtype
     batch_dims: frozenset[int]
     """Dimensions whose size grows with the micro-batch."""
+    root: tuple[str, int] | None = None
+    """(node, output) whose storage this tensor views (None: it owns its storage)."""
 
     @property
     def nbytes(self) -> float:
@@ -255,7 +257,42 @@ def _nodes(gm: torch.fx.GraphModule, param_names: tuple[str, ...], n_buffers: in
             out.append(OpNode(n.name, "output", None, tuple((a.name, 0) for a in leaves[:1]), ()))
         else:
             raise ConfigError("module", f"graph node {n.name!r} of kind {n.op!r} is not supported")
+    _mark_views(gm, out)
     return out, inputs, output_node
+
+
+_MAYBE_COPY = ("reshape", "flatten")
+"""View operators that copy when their input is not contiguous."""
+
+
+def _mark_views(gm: torch.fx.GraphModule, nodes: list[OpNode]) -> None:
+    """Record which outputs are views of another node's storage (by the operators' alias
+    annotations, as traced: a reshape of a contiguous tensor is a view), so that a saved
+    activation and its views are counted once, as autograd keeps one storage."""
+    by_name = {n.name: n for n in nodes}
+    fx = {n.name: n for n in gm.graph.nodes}
+
+    def root(ref):
+        node = by_name[ref[0]]
+        info = node.outputs[ref[1]]
+        return info.root if info is not None and info.root is not None else ref
+
+    for n in nodes:
+        if n.kind == "getitem":
+            parent = by_name[n.args[0][0]]
+            if parent.kind == "op" and getattr(parent.target, "is_view", False) and parent.args:
+                n.outputs = tuple(None if t is None else dataclasses.replace(t, root=root(parent.args[0]))
+                                  for t in n.outputs)
+            continue
+        if n.kind != "op" or not getattr(n.target, "is_view", False) or not n.args:
+            continue
+        if n.target.overloadpacket.__name__ in _MAYBE_COPY:
+            src = fx[n.name].args[0]
+            val = src.meta.get("val") if isinstance(src, torch.fx.Node) else None
+            if not isinstance(val, torch.Tensor) or not val.is_contiguous():
+                continue
+        r = root(n.args[0])
+        n.outputs = tuple(None if t is None else dataclasses.replace(t, root=r) for t in n.outputs)
 
 
 def _signature(nodes: list[OpNode]) -> str:

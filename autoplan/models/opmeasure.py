@@ -21,7 +21,7 @@ import torch
 from torch.utils import _pytree as pytree
 from torch.utils.flop_counter import FlopCounterMode
 
-from autoplan.models.extract import _CensusMode
+from autoplan.models.extract import _CensusMode, _fused_kernel
 from autoplan.models.graph import OpNode, TensorInfo, UnitGraph
 from autoplan.models.spec import Gemm
 from autoplan.models.strategies import Strategy, _fx_node
@@ -30,6 +30,7 @@ _aten = torch.ops.aten
 _ATTENTION = {_aten.scaled_dot_product_attention.default, _aten._scaled_dot_product_flash_attention.default,
               _aten._scaled_dot_product_efficient_attention.default}
 ATTENTION_OPS = frozenset(str(op) for op in _ATTENTION)
+_FUSED_OPS = {_aten._fused_rms_norm.default}
 """Operators that make up an attention core (what selective recomputation re-runs)."""
 
 
@@ -120,18 +121,33 @@ def _census(target, fx_args, fx_kwargs, tensors: list[torch.Tensor]) -> dict:
     if "device" in kwargs:
         kwargs["device"] = torch.device("meta")
     flash = _flash_ok(target, args, kwargs)
+    # A fused kernel (RMSNorm) is one kernel reading its inputs and writing its outputs, as
+    # the layer-level measurement charges it, not the meta decomposition's fp32 steps.
+    fused = target in _FUSED_OPS
     saved = _Saved()
     cf = _CensusMode()
     with FlopCounterMode(display=False) as fc_f, cf, torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t):
-        out = _run(target, args, kwargs, flash)
+        if fused:
+            with _fused_kernel(*tensors) as written:
+                out = _run(target, args, kwargs, flash)
+                written += [o for o in pytree.tree_leaves(out) if isinstance(o, torch.Tensor)]
+        else:
+            out = _run(target, args, kwargs, flash)
     outs = [o for o in pytree.tree_leaves(out) if isinstance(o, torch.Tensor)]
     grad_outs = [o for o in outs if o.requires_grad and o.is_floating_point()]
     needs = [t for t in tensors if t.requires_grad]
     cb = _CensusMode()
     flops_b = 0.0
     if grad_outs and needs:
+        # The incoming gradients exist before the backward runs: made outside the census.
+        ones = [torch.ones_like(o) for o in grad_outs]
         with FlopCounterMode(display=False) as fc_b, cb:
-            torch.autograd.grad(grad_outs, needs, [torch.ones_like(o) for o in grad_outs], allow_unused=True)
+            if fused:
+                with _fused_kernel(*ones, *tensors) as written:
+                    got = torch.autograd.grad(grad_outs, needs, ones, allow_unused=True)
+                    written += [g for g in got if g is not None]
+            else:
+                torch.autograd.grad(grad_outs, needs, ones, allow_unused=True)
         flops_b = float(fc_b.get_total_flops())
     # Attribute every saved storage once: to an input, an output, or the operator itself.
     in_keys = {}

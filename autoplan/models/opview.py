@@ -140,22 +140,56 @@ def saved_activations(graph: UnitGraph, strategies: dict[str, Strategy], costs: 
     for tensor, users in reads.items():
         producer, j = tensor
         node = graph.node(producer)
-        if node.kind == "param":
+        if storage_root(graph, tensor) in params_of(graph):
             continue
-        info = node.outputs[j]
         for consumer, pos in users:
             st, c = strategies[consumer], costs[consumer]
             q = st.inputs[pos]
             if q is not None and pos < len(c.saved_inputs) and c.saved_inputs[pos] > 0:
-                kept[(tensor, q)] = info.nbytes
+                key = storage_key(graph, tensor, q, strategies)
+                if key[0] not in params_of(graph):
+                    kept[key] = max(kept.get(key, 0.0), graph.node(key[0][0]).outputs[key[0][1]].nbytes)
     for n in graph.nodes:
         if n.kind != "op":
             continue
         st, c = strategies[n.name], costs[n.name]
         for j, p in enumerate(st.outputs):
             if p is not None and j < len(c.saved_outputs) and c.saved_outputs[j] > 0:
-                kept[((n.name, j), p)] = n.outputs[j].nbytes
+                key = storage_key(graph, (n.name, j), p, strategies)
+                kept[key] = max(kept.get(key, 0.0), graph.node(key[0][0]).outputs[key[0][1]].nbytes)
     return [(t, p, b, True) for (t, p), b in sorted(kept.items())]
+
+
+def storage_root(graph: UnitGraph, tensor: tuple[str, int]) -> tuple[str, int]:
+    info = graph.node(tensor[0]).outputs[tensor[1]]
+    return info.root if info is not None and info.root is not None else tensor
+
+
+def params_of(graph: UnitGraph) -> set[tuple[str, int]]:
+    return {(n.name, 0) for n in graph.nodes if n.kind == "param"}
+
+
+def storage_key(graph: UnitGraph, tensor: tuple[str, int], placement: str,
+                strategies: dict[str, Strategy]) -> tuple[tuple[str, int], str]:
+    """The storage a tensor kept in ``placement`` occupies, as (tensor owning it, its
+    placement): a redistributed copy owns its storage; a view of a tensor that was not
+    redistributed on the way is its base's storage (a saved attention output and the
+    reshaped view the next projection saves are one storage)."""
+    def produced(t):
+        return strategies[t[0]].outputs[t[1]]
+    if placement != produced(tensor):
+        return (tensor, placement)
+    cur = tensor
+    while True:
+        info = graph.node(cur[0]).outputs[cur[1]]
+        if info is None or info.root is None:
+            return (cur, produced(cur))
+        node = graph.node(cur[0])
+        view = graph.node(node.args[0][0]) if node.kind == "getitem" else node
+        base = resolve(graph, view.args[0])
+        if strategies[view.name].inputs[0] != produced(base):
+            return (cur, produced(cur))   # a view of a redistributed copy
+        cur = base
 
 
 def unit_strategies(graph: UnitGraph, layout: UnitLayout | None) -> dict[str, Strategy]:
@@ -249,6 +283,14 @@ def layer_spec(graph: UnitGraph, layout: UnitLayout | None, degree: int, name: s
             mem_b.append((f.memory_bytes_bwd, div))
             gemms_b += _sharded_gemms(c.gemms_bwd, f.gemms_bwd, degree)
             kernels_b += f.kernels_bwd
+    # Gradients of a tensor read by several operators are summed: one add per extra reader.
+    for tensor, users in readers(graph).items():
+        info = graph.node(tensor[0]).outputs[tensor[1]]
+        k = sum(1 for consumer, pos in users if strategies[consumer].inputs[pos] is not None)
+        if k > 1 and grads.get(tensor[0]) and info.dtype.is_floating_point and graph.node(tensor[0]).kind != "param":
+            sharded = (strategies[tensor[0]].outputs[tensor[1]] or "R").startswith("S") and degree > 1
+            mem_b.append(((k - 1) * 3 * info.nbytes, sharded))
+            kernels_b += k - 1
     saved = [(b, p.startswith("S")) for _, p, b, _ in saved_activations(graph, strategies, costs)]
     none = _split(saved + internal)
     core = _split(core_saved)
