@@ -125,7 +125,7 @@ def search_operator_plans(model, cluster: Cluster, global_batch: int, *, example
         done = set()
         for rp in list(ranked)[: 4 * top_variants]:
             p = rp.plan
-            key = (p.pp, p.tp, p.dp, p.micro_batch, p.schedule, p.virtual_stages, p.zero)
+            key = (p.pp, p.tp, p.dp, p.micro_batch, p.schedule, p.virtual_stages)
             if p.pp < 2 or key in done or p.layouts is None or p.layouts.interlaced:
                 continue
             done.add(key)

@@ -418,8 +418,20 @@ def capture_model(source, example_inputs: torch.Tensor | None = None, target: to
 
 
 def _capture_config(source, dtype: str, micro_batch: int) -> ModelGraph:
+    import os
     from autoplan.models.presets import get_config
-    cfg = get_config(source) if isinstance(source, str) else source.resolved()
+    if isinstance(source, (str, os.PathLike)):
+        text = str(source)
+        if text.endswith(".json") or os.sep in text:
+            from autoplan.models.hf import config_from_hf
+            cfg = config_from_hf(text).resolved()
+        else:
+            cfg = get_config(text)
+    elif hasattr(source, "resolved"):
+        cfg = source.resolved()
+    else:
+        raise ConfigError("model", f"cannot capture {type(source).__name__}",
+                          "give a zoo name, a config.json path, a zoo config or an nn.Module")
     return _capture_config_cached(cfg, dtype, micro_batch)
 
 
