@@ -37,33 +37,37 @@ class OperatorProfileSource(Protocol):
 
 
 def roofline_op_timing(device: DeviceSpec, eff: Efficiency, cost: OpCost, micro_batch: int,
-                       dtype: str) -> OpTiming:
+                       dtype: str, attention: str = "flash2") -> OpTiming:
+    """As :func:`costmodel.compute.roofline_timing`, for one operator; ``attention`` is the
+    stack's fused attention kernel class."""
     b = micro_batch
     peak = device.peak(dtype)
     bw = device.memory_bandwidth * eff.memory
     causal = 0.5 if cost.causal else 1.0
+    att_fwd, att_bwd = eff.attention(attention)
 
     def gemms(gs, select=lambda g: True):
         return sum(gemm_time(device, eff, *g.shape(b, 1), dtype) for g in gs if select(g))
 
-    fwd = (gemms(cost.gemms_fwd) + cost.attention_flops_fwd * b * causal / (peak * eff.attention_fwd)
+    fwd = (gemms(cost.gemms_fwd) + cost.attention_flops_fwd * b * causal / (peak * att_fwd)
            + cost.memory_bytes_fwd * b / bw + cost.kernels_fwd * eff.launch_s)
     weight = gemms(cost.gemms_bwd, lambda g: g.batch_dim == "k")
     data = (gemms(cost.gemms_bwd, lambda g: g.batch_dim != "k")
-            + cost.attention_flops_bwd * b * causal / (peak * eff.attention_bwd)
+            + cost.attention_flops_bwd * b * causal / (peak * att_bwd)
             + cost.memory_bytes_bwd * b / bw + cost.kernels_bwd * eff.launch_s)
     return OpTiming(forward=fwd, backward_input=data, backward_weight=weight, source="roofline")
 
 
 def op_timing(device: DeviceSpec, cost: OpCost, micro_batch: int, dtype: str,
-              profiles: OperatorProfileSource | None = None, key: str = "") -> OpTiming:
+              profiles: OperatorProfileSource | None = None, key: str = "", attention: str = "flash2",
+              efficiency: Efficiency | None = None) -> OpTiming:
     """Measured timing when a profile covers this operator on this device, else the roofline
     (with efficiencies fitted from the device's profiles when there are some)."""
-    eff = None
+    eff = efficiency
     if profiles is not None:
         if key:
             measured = profiles.op_timing(device, key, micro_batch)
             if measured is not None:
                 return measured
-        eff = profiles.efficiency(device)
-    return roofline_op_timing(device, eff or default_efficiency(device.name), cost, micro_batch, dtype)
+        eff = eff or profiles.efficiency(device)
+    return roofline_op_timing(device, eff or default_efficiency(device.name), cost, micro_batch, dtype, attention)

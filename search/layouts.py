@@ -36,7 +36,6 @@ from autoplan.models.graph import ModelGraph, OpNode, TensorInfo, UnitGraph
 from autoplan.models.opmeasure import OpCost, op_cost, op_key
 from autoplan.models.strategies import Strategy, node_strategies, tensor_choices
 from autoplan.units import DTYPE_BYTES
-from costmodel.memory import GRAD_BYTES_PER_PARAM, OPTIMIZER_BYTES_PER_PARAM
 from costmodel.comm import collective_time
 from costmodel.operators import OperatorProfileSource, op_timing
 from autoplan.layouts import backward_target, grad_placement, redistribute_kind
@@ -61,7 +60,10 @@ class LayoutSettings:
     stage holds up to pp of them)."""
     state_bytes_per_param: float | None = None
     """Bytes per parameter element kept per rank (weights + gradients + optimizer states);
-    None: the dtype's weight bytes + fp32 gradient + 12 B of Adam, as costmodel.memory counts."""
+    None: what the stack keeps without ZeRO (``Stack.state_bytes_per_param(1, 0)``)."""
+    stack: object = None
+    """The training stack (a Stack or its name; None: 'autoplan'): parameter-state bytes and
+    the fused attention kernel's efficiency."""
     memory_cap_bytes: float | None = None
     """Largest bytes per rank one unit may take (None: no cap)."""
     memory_weight: float = 0.0
@@ -69,10 +71,14 @@ class LayoutSettings:
     time_limit_s: float = 20.0
     """CP-SAT time limit per solve."""
 
+    def resolved_stack(self):
+        from autoplan.stacks import get_stack
+        return get_stack(self.stack)
+
     def state_bytes(self, dtype: str) -> float:
         if self.state_bytes_per_param is not None:
             return self.state_bytes_per_param
-        return DTYPE_BYTES[dtype] + GRAD_BYTES_PER_PARAM + OPTIMIZER_BYTES_PER_PARAM
+        return self.resolved_stack().state_bytes_per_param(1, 0)
 
 
 @dataclass(frozen=True)
@@ -149,6 +155,7 @@ class UnitProblem:
         self.measured = 0
         """Operator timings taken from a measured profile (the rest are roofline)."""
         boundary_in = graph.input_nodes[0]
+        attention = settings.resolved_stack().attention
         for n in graph.nodes:
             if n.kind == "param":
                 self.choices[n.name] = [Strategy((c,), ()) for c in tensor_choices(n.tensor_out, t)]
@@ -167,7 +174,8 @@ class UnitProblem:
                     self.cost[(n.name, k)] = c
                     f = bwd = 0.0
                     for dev in self.devices:
-                        tm = op_timing(dev, c, b, dtype, profiles, key=op_key(graph, n, s, t))
+                        tm = op_timing(dev, c, b, dtype, profiles, key=op_key(graph, n, s, t),
+                                       attention=attention)
                         f, bwd = max(f, tm.forward), max(bwd, tm.backward)
                         self.measured += tm.source == "measured"
                     if not self.requires_grad[n.name]:

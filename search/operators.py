@@ -76,6 +76,9 @@ def search_operator_plans(model, cluster: Cluster, global_batch: int, *, example
     layer-level search (``search.space.Constraints``); ``tp`` limits the degrees tried."""
     start = time.perf_counter()
     constraints.setdefault("progress", False)
+    from search.space import Constraints
+    options = Constraints.build(**constraints).estimate_options()
+    stack = options.stack
     for bad in ("sequence_parallel",):
         if bad in constraints:
             raise ConfigError(bad, "is decided by the operator layouts", "leave it out")
@@ -97,7 +100,8 @@ def search_operator_plans(model, cluster: Cluster, global_batch: int, *, example
         for w in memory_weights:
             t0 = time.perf_counter()
             sol = solve_chain(mg, cluster, groups, LayoutSettings(degree=t, micro_batch=layout_micro_batch,
-                                                                  memory_weight=w), operator_profiles)
+                                                                  memory_weight=w, stack=stack),
+                              operator_profiles)
             layouts = sol.layouts(mg)
             if w == memory_weights[0]:
                 chains[t] = sol
@@ -132,11 +136,11 @@ def search_operator_plans(model, cluster: Cluster, global_batch: int, *, example
             for units, label in (((0, mg.num_units - 1), "interlaced embedding+head"),
                                  ((mg.num_units - 1,), "interlaced head")):
                 t0 = time.perf_counter()
-                plan = _interlaced(p, mg, cluster, units, layout_micro_batch, operator_profiles)
+                plan = _interlaced(p, mg, cluster, units, layout_micro_batch, operator_profiles, stack)
                 layout_s += time.perf_counter() - t0
                 if plan is None:
                     continue
-                est = full_estimate(plan_view(mg, plan), cluster, plan)
+                est = full_estimate(plan_view(mg, plan), cluster, plan, options)
                 stats.estimates += 1
                 entry = RankedPlan(rank=0, plan=plan, estimate=est, predicted_s=est.iteration_time_s,
                                    gpus_used=plan.num_gpus)
@@ -182,7 +186,7 @@ def _coshard(layouts: Layouts, model: ModelGraph, k: int) -> Layouts:
 
 
 def _interlaced(plan: Plan, model: ModelGraph, cluster: Cluster, units: tuple[int, ...], micro_batch: int,
-                profiles) -> Plan | None:
+                profiles, stack=None) -> Plan | None:
     """``plan`` with ``units`` sharded over all pp x tp ranks of each pipeline and the other
     units re-split evenly over the stages (the interlaced units no longer weigh on the first
     and last stage)."""
@@ -199,8 +203,8 @@ def _interlaced(plan: Plan, model: ModelGraph, cluster: Cluster, units: tuple[in
     for i in units:
         g = model.graph_of(i)
         old = lay.for_unit(i)
-        prob = UnitProblem(g, model.units[i], cluster, pipes, LayoutSettings(degree=degree, micro_batch=micro_batch),
-                           model.dtype, profiles)
+        prob = UnitProblem(g, model.units[i], cluster, pipes,
+                           LayoutSettings(degree=degree, micro_batch=micro_batch, stack=stack), model.dtype, profiles)
         pins, pouts = prob.boundary_choices()
         pin = old.input if old.input in pins else "R"
         pout = old.output if old.output in pouts else "R"
