@@ -31,14 +31,14 @@ from ortools.sat.python import cp_model
 
 from autoplan.cluster import Cluster
 from autoplan.errors import ConfigError
-from autoplan.layouts import Layouts, OpLayout, UnitLayout
-from autoplan.models.graph import ModelGraph, OpNode, TensorInfo, UnitGraph
+from autoplan.layouts import (Layouts, OpLayout, UnitLayout, backward_target, grad_placement,
+                              redistribute_kind)
+from autoplan.models.graph import ModelGraph, TensorInfo, UnitGraph
 from autoplan.models.opmeasure import OpCost, op_cost, op_key
+from autoplan.models.opview import resolve
 from autoplan.models.strategies import Strategy, node_strategies, tensor_choices
-from autoplan.units import DTYPE_BYTES
 from costmodel.comm import collective_time
 from costmodel.operators import OperatorProfileSource, op_timing
-from autoplan.layouts import backward_target, grad_placement, redistribute_kind
 from costmodel.redistribute import redistribute_time
 
 NS = 1e9
@@ -122,16 +122,6 @@ class UnitSolution:
         return self.param_bytes + self.activation_bytes
 
 
-def _resolve(graph: UnitGraph, ref: tuple[str, int]) -> tuple[str, int]:
-    """Follow getitem nodes to the multi-output operator they pick from."""
-    name, idx = ref
-    node = graph.node(name)
-    while node.kind == "getitem":
-        name, idx = node.args[0]
-        node = graph.node(name)
-    return name, idx
-
-
 class UnitProblem:
     """The CP-SAT model of one unit at one degree; solved once per boundary pair."""
 
@@ -168,7 +158,7 @@ class UnitProblem:
             elif n.kind == "op":
                 strategies = node_strategies(graph, n, t)
                 self.choices[n.name] = strategies
-                self.requires_grad[n.name] = any(self.requires_grad.get(_resolve(graph, a)[0], False) for a in n.args)
+                self.requires_grad[n.name] = any(self.requires_grad.get(resolve(graph, a)[0], False) for a in n.args)
                 for k, s in enumerate(strategies):
                     c = op_cost(graph, n, s, t)
                     self.cost[(n.name, k)] = c
@@ -190,9 +180,9 @@ class UnitProblem:
         for n in graph.nodes:
             if n.kind == "op":
                 for pos, ref in enumerate(n.args):
-                    self.readers.setdefault(_resolve(graph, ref), []).append((n.name, pos))
+                    self.readers.setdefault(resolve(graph, ref), []).append((n.name, pos))
         out_node = graph.node(graph.output_node)
-        self.out_tensor = _resolve(graph, (out_node.name, 0)) if out_node.kind != "output" else None
+        self.out_tensor = resolve(graph, (out_node.name, 0)) if out_node.kind != "output" else None
         self.boundary_in = boundary_in
 
     # ------------------------------------------------------------------ helpers
@@ -482,7 +472,7 @@ class ChainSolution:
     def max_unit_memory(self) -> float:
         return max(u.memory_bytes for u in self.units)
 
-    def layouts(self, model: ModelGraph, problems: dict[int, UnitProblem] | None = None) -> Layouts:
+    def layouts(self, model: ModelGraph) -> Layouts:
         groups: dict[int, list[int]] = {}
         keyed: dict[int, UnitSolution] = {}
         for i, u in enumerate(self.units):

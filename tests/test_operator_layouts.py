@@ -11,13 +11,12 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 
 import autoplan
 from autoplan.errors import ConfigError
 from autoplan.layouts import Layouts, OpLayout, UnitLayout, grad_placement, redistribute_kind
 from autoplan.models.graph import capture_model
-from autoplan.models.opview import implied_collectives, layout_spec, plan_view
+from autoplan.models.opview import implied_collectives, layout_spec
 from autoplan.models.presets import get_config
 from autoplan.models.strategies import node_strategies
 from search.layouts import LayoutSettings, UnitProblem, solve_chain
