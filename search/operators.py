@@ -67,13 +67,16 @@ def _with_layouts(ranked: list[RankedPlan], layouts: Layouts) -> list[RankedPlan
 
 def search_operator_plans(model, cluster: Cluster, global_batch: int, *, example_inputs=None, target=None,
                           loss=None, tp=None, coshard: tuple[int, ...] = (2, 4), interlace: bool = True,
-                          memory_weights: tuple[float, ...] = (0.0,), layout_micro_batch: int = 1,
+                          memory_weights: tuple[float, ...] = (0.0,), layout_micro_batch: int | None = None,
                           operator_profiles=None, top_variants: int = 3, **constraints) -> OperatorSearchResult:
     """Best operator-level plans for ``model`` on ``cluster`` (see the module docstring).
 
     ``model`` is a zoo name or config, or an ``nn.Module`` with ``example_inputs`` (and
     ``loss``/``target`` to put the loss in the last unit). Keyword ``constraints`` go to the
-    layer-level search (``search.space.Constraints``); ``tp`` limits the degrees tried."""
+    layer-level search (``search.space.Constraints``); ``tp`` limits the degrees tried.
+    Layouts are solved for ``layout_micro_batch`` samples (None: the smallest power of two
+    giving at least LAYOUT_TOKENS tokens, at most the global batch per GPU): whether a matmul
+    is worth sharding depends on how many rows it has."""
     start = time.perf_counter()
     constraints.setdefault("progress", False)
     from search.space import Constraints
@@ -86,6 +89,8 @@ def search_operator_plans(model, cluster: Cluster, global_batch: int, *, example
         mg = model
     else:
         mg = capture_model(model, example_inputs=example_inputs, target=target, loss=loss)
+    if layout_micro_batch is None:
+        layout_micro_batch = _layout_micro_batch(mg, cluster, global_batch)
     chains: dict[int, ChainSolution] = {}
     ranked: list[RankedPlan] = []
     stats = SearchStats()
@@ -160,6 +165,19 @@ def search_operator_plans(model, cluster: Cluster, global_batch: int, *, example
     return OperatorSearchResult(ranked=ranked, stats=stats, cluster=cluster, model_name=mg.name,
                                 global_batch=global_batch, model_graph=mg, chains=chains, layout_s=layout_s,
                                 variants=variants)
+
+
+LAYOUT_TOKENS = 2048
+"""Tokens per micro-batch the layouts are solved for by default (a language model's sequence;
+a vision transformer's 197 patches would otherwise make every matmul look too small to shard)."""
+
+
+def _layout_micro_batch(model: ModelGraph, cluster: Cluster, global_batch: int) -> int:
+    cap = max(1, global_batch // cluster.num_gpus)
+    b = 1
+    while b * model.tokens_per_sample < LAYOUT_TOKENS and 2 * b <= cap:
+        b *= 2
+    return b
 
 
 def _layer_search(view, cluster, global_batch, t, constraints, stats: SearchStats) -> list[RankedPlan]:
