@@ -40,8 +40,8 @@ def estimate(model, cluster, plan, stack=None, calibration=None, **options):
     are ``costmodel.EstimateOptions`` fields (see costmodel.estimate).
 
     A plan with operator layouts is estimated on the layouts' view of the model's operator
-    graph (for an ``nn.Module`` pass ``example_inputs=``, and ``loss=``/``target=`` if the
-    layouts were searched with them)."""
+    graph (for an ``nn.Module`` pass ``example_inputs=``, and ``loss=``/``loss_target=`` if
+    the layouts were searched with them)."""
     # Imported here: costmodel sits above this package's core modules in the layering.
     from costmodel import estimate as _estimate
     from autoplan.stacks import get_stack
@@ -49,7 +49,9 @@ def estimate(model, cluster, plan, stack=None, calibration=None, **options):
     if plan.layouts is not None:
         from autoplan.models.graph import ModelGraph, capture_model
         from autoplan.models.opview import plan_view
-        capture = {k: options.pop(k) for k in ("example_inputs", "target", "loss") if k in options}
+        capture = {k: options.pop(k) for k in ("example_inputs", "loss_target", "loss") if k in options}
+        if "loss_target" in capture:
+            capture["target"] = capture.pop("loss_target")
         if isinstance(model, models.ModelSpec) and model.config is not None:
             model = model.config
         graph = model if isinstance(model, ModelGraph) else capture_model(model, dtype=plan.dtype, **capture)

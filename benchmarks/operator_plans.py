@@ -144,7 +144,7 @@ def model_of(key: str):
     y = torch.zeros(1, dtype=torch.long)
     spec = autoplan.models.from_module(vit, x, name="vit-l16-1m", loss=lambda o: class_loss(
         o, torch.zeros(o.shape[0], dtype=torch.long, device=o.device)))
-    return vit, spec, dict(example_inputs=x, target=y, loss=class_loss)
+    return vit, spec, dict(example_inputs=x, loss_target=y, loss=class_loss)
 
 
 @dataclass

@@ -65,14 +65,14 @@ def _with_layouts(ranked: list[RankedPlan], layouts: Layouts) -> list[RankedPlan
     return out
 
 
-def search_operator_plans(model, cluster: Cluster, global_batch: int, *, example_inputs=None, target=None,
+def search_operator_plans(model, cluster: Cluster, global_batch: int, *, example_inputs=None, loss_target=None,
                           loss=None, tp=None, coshard: tuple[int, ...] = (2, 4), interlace: bool = True,
                           memory_weights: tuple[float, ...] = (0.0,), layout_micro_batch: int | None = None,
                           operator_profiles=None, top_variants: int = 3, **constraints) -> OperatorSearchResult:
     """Best operator-level plans for ``model`` on ``cluster`` (see the module docstring).
 
     ``model`` is a zoo name or config, or an ``nn.Module`` with ``example_inputs`` (and
-    ``loss``/``target`` to put the loss in the last unit). Keyword ``constraints`` go to the
+    ``loss``/``loss_target`` to put the loss in the last unit). Keyword ``constraints`` go to the
     layer-level search (``search.space.Constraints``); ``tp`` limits the degrees tried.
     Layouts are solved for ``layout_micro_batch`` samples (None: the smallest power of two
     giving at least LAYOUT_TOKENS tokens, at most the global batch per GPU): whether a matmul
@@ -85,10 +85,13 @@ def search_operator_plans(model, cluster: Cluster, global_batch: int, *, example
     for bad in ("sequence_parallel",):
         if bad in constraints:
             raise ConfigError(bad, "is decided by the operator layouts", "leave it out")
+    if constraints.get("target") not in (None, "autoplan"):
+        raise ConfigError("target", f"per-operator layouts run on autoplan's runtime only, not {constraints['target']}",
+                          "search without layouts for another engine")
     if isinstance(model, ModelGraph):
         mg = model
     else:
-        mg = capture_model(model, example_inputs=example_inputs, target=target, loss=loss)
+        mg = capture_model(model, example_inputs=example_inputs, target=loss_target, loss=loss)
     if layout_micro_batch is None:
         layout_micro_batch = _layout_micro_batch(mg, cluster, global_batch)
     chains: dict[int, ChainSolution] = {}

@@ -168,7 +168,7 @@ def _search(model: str, tp: int):
     g = torch.Generator().manual_seed(0)
     x, y = spec["inputs"](1, g, True), spec["targets"](1, g, True)
     cluster = autoplan.Cluster.load("examples/clusters/dgx-a100-1node.json")
-    res = autoplan.search(big, cluster, 32, layouts=True, example_inputs=x, target=y, loss=spec["loss"],
+    res = autoplan.search(big, cluster, 32, layouts=True, example_inputs=x, loss_target=y, loss=spec["loss"],
                           tp=(tp,), coshard=(), interlace=False, pp=(1,), schedules=("1f1b",))
     return res.best.plan
 
