@@ -31,7 +31,8 @@ from dataclasses import dataclass
 from typing import Iterable
 
 from autoplan.errors import ConfigError
-from autoplan.fields import FieldReader
+from autoplan.fields import FieldReader, check_text
+from autoplan.limits import MAX_MICRO_BATCH, MAX_OP_TENSORS, MAX_UNIT_OPS, MAX_UNIT_PARAMS, MAX_UNITS
 
 _PLACEMENT = re.compile(r"^(R|P|S(0|[1-9][0-9]*))$")
 
@@ -208,28 +209,37 @@ class Layouts:
 
     @classmethod
     def from_dict(cls, data, where: str = "layouts") -> "Layouts":
+        # Every count is bounded (autoplan.limits) so a hostile plan.json is one ConfigError.
         r = FieldReader(data, where)
         r.reject_unknown(("mesh_axis", "source", "objective_s", "interlaced", "units"))
         units = []
-        for u in r.items("units", nonempty=True):
+        for u in r.items("units", nonempty=True, max_len=MAX_UNITS):
             u.reject_unknown(("units", "signature", "input", "output", "coshard", "params", "ops"))
-            idx = _ints(u.list("units", nonempty=True), u.path("units"))
+            idx = u.ints("units", nonempty=True, minimum=0, maximum=MAX_UNITS - 1, max_len=MAX_UNITS)
             params = u.sub("params", {})
+            if len(params.data) > MAX_UNIT_PARAMS:
+                raise ConfigError(u.path("params"), f"has {len(params.data):,} entries, "
+                                  f"at most {MAX_UNIT_PARAMS:,} allowed")
             ops = []
-            for o in u.items("ops", default=[]):
+            for o in u.items("ops", default=[], max_len=MAX_UNIT_OPS):
                 o.reject_unknown(("node", "op", "inputs", "outputs"))
                 ops.append(OpLayout(node=o.str("node"), op=o.str("op"),
-                                    inputs=tuple(_optional(o.list("inputs", []), o.path("inputs"))),
-                                    outputs=tuple(_optional(o.list("outputs", []), o.path("outputs")))))
+                                    inputs=tuple(_optional(o.list("inputs", [], max_len=MAX_OP_TENSORS),
+                                                           o.path("inputs"))),
+                                    outputs=tuple(_optional(o.list("outputs", [], max_len=MAX_OP_TENSORS),
+                                                            o.path("outputs")))))
             units.append(UnitLayout(
                 units=tuple(idx), signature=u.str("signature", ""),
                 input=check_placement(u.raw("input"), u.path("input")),
                 output=check_placement(u.raw("output"), u.path("output")),
-                params=tuple((str(k), check_placement(v, f"{params.path(str(k))}"))
+                params=tuple((check_text(str(k), params.path("<name>")),
+                              check_placement(v, f"{params.path(str(k)[:60])}"))
                              for k, v in params.data.items()),
-                ops=tuple(ops), coshard=u.int("coshard", 1, minimum=1)))
-        return cls(units=tuple(units), interlaced=tuple(_ints(r.list("interlaced", []), r.path("interlaced"))),
-                   mesh_axis=r.str("mesh_axis", "tp"), objective_s=r.float("objective_s", 0.0, minimum=0.0),
+                ops=tuple(ops), coshard=u.int("coshard", 1, minimum=1, maximum=MAX_MICRO_BATCH)))
+        return cls(units=tuple(units),
+                   interlaced=tuple(r.ints("interlaced", [], minimum=0, maximum=MAX_UNITS - 1, max_len=MAX_UNITS)),
+                   mesh_axis=r.str("mesh_axis", "tp"),
+                   objective_s=r.float("objective_s", 0.0, minimum=0.0, maximum=1e9),
                    source=r.str("source", "search", choices=("search", "manual"))).validate(where=where)
 
     def describe(self) -> str:
@@ -242,15 +252,6 @@ class Layouts:
         if self.interlaced:
             parts.append(f"interlaced units {list(self.interlaced)}")
         return "; ".join(parts)
-
-
-def _ints(values: Iterable, where: str) -> list[int]:
-    out = []
-    for j, x in enumerate(values):
-        if not isinstance(x, int) or isinstance(x, bool):
-            raise ConfigError(f"{where}[{j}]", f"must be an integer, got {x!r}")
-        out.append(x)
-    return out
 
 
 def _optional(values: Iterable, where: str) -> list[str | None]:
