@@ -26,7 +26,9 @@ from torch.utils import _pytree as pytree
 
 from autoplan.catalog import DeviceSpec
 from autoplan.errors import ConfigError
-from autoplan.fields import FieldReader, load_json
+from autoplan.fields import FieldReader, check_text, load_json
+from autoplan.files import write_text
+from autoplan.limits import MAX_MICRO_BATCH
 from autoplan.models.graph import ModelGraph, UnitGraph
 from autoplan.models.opmeasure import local_shape, op_key
 from autoplan.models.strategies import Strategy, _fx_node, node_strategies
@@ -67,17 +69,46 @@ class OperatorProfile:
 
     def save(self, path: str | Path) -> None:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
-        Path(path).write_text(json.dumps(self.to_dict(), indent=1, sort_keys=True) + "\n")
+        write_text(path, json.dumps(self.to_dict(), indent=1, sort_keys=True) + "\n")
 
     @classmethod
     def load(cls, path: str | Path) -> "OperatorProfile":
         data = load_json(path, "operator profile")
         r = FieldReader(data, str(path))
         r.reject_unknown(("format_version", "device", "dtype", "statistic", "torch", "entries"))
-        if r.int("format_version") > FORMAT_VERSION:
+        if r.int("format_version", minimum=1) > FORMAT_VERSION:
             raise ConfigError(r.path("format_version"), "is newer than this autoplan understands", "upgrade autoplan")
+        found = r.sub("entries", {})
+        if len(found.data) > MAX_PROFILE_ENTRIES:
+            raise ConfigError(found.path("entries"), f"has {len(found.data):,} entries, "
+                              f"at most {MAX_PROFILE_ENTRIES:,} allowed")
+        entries = {}
+        for key in found.data:
+            check_text(key, found.where + ".<key>")
+            entries[key] = _read_entry(found.sub(key))
+        if r.has("torch"):
+            r.str("torch")
         return cls(device=r.str("device"), dtype=r.str("dtype", choices=tuple(DTYPES)),
-                   entries=dict(r.raw("entries", {})), statistic=r.str("statistic", "median"))
+                   entries=entries, statistic=r.str("statistic", "median", choices=tuple(STATISTICS)))
+
+
+MAX_PROFILE_ENTRIES = 1_000_000
+"""Operator entries in one profile file (a model's distinct operators x strategies x shapes)."""
+
+
+def _read_entry(e: FieldReader) -> dict:
+    """One measured operator; every figure finite and non-negative, so the cost model never
+    meets a negative or missing time."""
+    e.reject_unknown(("micro_batch", "forward_ms", "backward_ms", "saved_bytes", "repeats", "wall_s"))
+    out = {"micro_batch": e.int("micro_batch", minimum=1, maximum=MAX_MICRO_BATCH),
+           "forward_ms": e.float("forward_ms", minimum=0.0, maximum=1e9),
+           "backward_ms": e.float("backward_ms", minimum=0.0, maximum=1e9),
+           "saved_bytes": e.float("saved_bytes", 0.0, minimum=0.0, maximum=1e18)}
+    if e.has("repeats"):
+        out["repeats"] = e.int("repeats", minimum=0)
+    if e.has("wall_s"):
+        out["wall_s"] = e.float("wall_s", minimum=0.0)
+    return out
 
 
 def _materialize(graph: UnitGraph, node, strategy: Strategy, degree: int, micro_batch: int, device: str,
