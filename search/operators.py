@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from autoplan.cluster import Cluster
 from autoplan.errors import ConfigError, NoPlanFitsError
 from autoplan.layouts import Layouts, UnitLayout
+from autoplan.limits import MAX_GPUS_PER_NODE, MAX_MICRO_BATCH, MAX_TOP_K
 from autoplan.models.graph import ModelGraph, capture_model
 from autoplan.models.opview import layout_spec, plan_view
 from autoplan.plan import Plan, Stage
@@ -49,9 +50,35 @@ class OperatorSearchResult(SearchResult):
     """(label, plan) for every co-shard / interlaced variant estimated, fitting or not."""
 
 
+def _ints(name: str, values, low: int, top: int) -> tuple[int, ...]:
+    vals = tuple(values) if isinstance(values, (list, tuple, set, frozenset)) else (values,)
+    for x in vals:
+        if not isinstance(x, int) or isinstance(x, bool) or not low <= x <= top:
+            raise ConfigError(name, f"must be integers in {low}..{top:,}, got {str(x)[:40]!r}")
+    return tuple(sorted(set(vals)))
+
+
+def _check_options(tp, coshard, memory_weights, layout_micro_batch, top_variants):
+    """The operator search's own keywords, bounded like the layer-level constraints
+    (search.space) so a bad value is one ConfigError, not a long or failing search."""
+    if tp is not None:
+        tp = _ints("tp", tp, 1, MAX_GPUS_PER_NODE)
+    coshard = _ints("coshard", coshard, 2, MAX_MICRO_BATCH)
+    weights = tuple(memory_weights) if isinstance(memory_weights, (list, tuple)) else (memory_weights,)
+    if not weights:
+        raise ConfigError("memory_weights", "must list at least one weight", "use (0.0,) for the fastest layouts")
+    for w in weights:
+        if isinstance(w, bool) or not isinstance(w, (int, float)) or not 0 <= w <= 1e6:
+            raise ConfigError("memory_weights", f"must be numbers in [0, 1e6], got {str(w)[:40]!r}")
+    if layout_micro_batch is not None:
+        _ints("layout_micro_batch", layout_micro_batch, 1, MAX_MICRO_BATCH)
+    _ints("top_variants", top_variants, 0, MAX_TOP_K)
+    return tp, coshard, weights
+
+
 def _tp_options(cluster: Cluster, tp) -> list[int]:
     if tp is not None:
-        return sorted({int(t) for t in (tp if isinstance(tp, (list, tuple)) else (tp,))})
+        return sorted(tp)
     per_node = min(g.gpus_per_node for g in cluster.groups)
     return [t for t in (1, 2, 4, 8, 16) if t <= per_node and per_node % t == 0]
 
@@ -78,6 +105,7 @@ def search_operator_plans(model, cluster: Cluster, global_batch: int, *, example
     giving at least LAYOUT_TOKENS tokens, at most the global batch per GPU): whether a matmul
     is worth sharding depends on how many rows it has."""
     start = time.perf_counter()
+    tp, coshard, memory_weights = _check_options(tp, coshard, memory_weights, layout_micro_batch, top_variants)
     constraints.setdefault("progress", False)
     from search.space import Constraints
     options = Constraints.build(**constraints).estimate_options()

@@ -192,13 +192,31 @@ def test_layouts_json_round_trip():
     (lambda d: d["units"][0].update(coshard=0), "layouts.units[0].coshard"),
     (lambda d: d.update(mesh_axis="dp"), "layouts.mesh_axis"),
     (lambda d: d["units"].append(dict(d["units"][0])), "layouts.units[1].units"),
-], ids=["bad-placement", "bad-op-placement", "coshard-zero", "wrong-axis", "unit-twice"])
+    (lambda d: d["units"][0].update(units=[10**6]), "layouts.units[0].units[0]"),
+    (lambda d: d["units"][0].update(coshard=10**9), "layouts.units[0].coshard"),
+    (lambda d: d["units"][0]["ops"][0].update(inputs=["R"] * 10**4), "layouts.units[0].ops[0].inputs"),
+    (lambda d: d.update(objective_s=float("1e300")), "layouts.objective_s"),
+], ids=["bad-placement", "bad-op-placement", "coshard-zero", "wrong-axis", "unit-twice", "unit-index-huge",
+        "coshard-huge", "too-many-inputs", "objective-huge"])
 def test_layouts_errors_name_the_field(mutate, field):
     d = _layouts().to_dict()
     mutate(d)
     with pytest.raises(ConfigError) as e:
         Layouts.from_dict(d)
     assert e.value.field == field
+
+
+@pytest.mark.parametrize("keyword,value", [
+    ("tp", (0,)), ("tp", (3.5,)), ("coshard", (1,)), ("coshard", (10**9,)), ("memory_weights", ()),
+    ("memory_weights", (float("nan"),)), ("layout_micro_batch", 0), ("top_variants", -1),
+], ids=["tp-zero", "tp-float", "coshard-one", "coshard-huge", "no-weights", "weight-nan", "layout-mb-zero",
+        "top-variants-negative"])
+def test_operator_search_keywords_are_checked_first(a100, keyword, value):
+    """A bad keyword of the operator search is one ConfigError naming it, before any capture."""
+    from search.operators import search_operator_plans
+    with pytest.raises(ConfigError) as e:
+        search_operator_plans("gpt-tiny", a100, 16, **{keyword: value})
+    assert e.value.field == keyword
 
 
 def test_layouts_and_sequence_parallel_exclude_each_other():
