@@ -72,6 +72,10 @@ def export(plan: Plan, target: str, model: "ModelSpec | None" = None, cluster: "
     release (torchtitan: '0.3', the default, or '0.2')."""
     if target not in TARGETS:
         raise ConfigError("to", f"{target!r} is not an export target", f"choose one of {', '.join(TARGETS)}")
+    if plan.layouts is not None:
+        # Engines take one tensor-parallel recipe per model family, not a layout per operator.
+        raise ConfigError("layouts", f"per-operator layouts cannot be expressed as a {target} configuration",
+                          "run the plan with autoplan.runtime.operators, or export a plan searched without --layouts")
     engine = get_engine(target, engine_version)
     if model is not None:
         _check_model(plan, model)

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Sequence
 
 from autoplan.errors import ConfigError
 from autoplan.fields import FieldReader, load_json
+from autoplan.layouts import Layouts
 from autoplan.limits import (MAX_GLOBAL_BATCH, MAX_GPUS, MAX_MICRO_BATCH, MAX_MICRO_BATCHES, MAX_SCHEDULE_SLOTS,
                              MAX_SEQ_LEN, MAX_UNITS, MAX_VIRTUAL_STAGES)
 from autoplan.models.spec import RECOMPUTE_MODES
@@ -93,6 +94,9 @@ class Plan:
     """Name of the model the plan was made for (informational)."""
     seq_len: int = 0
     """Sequence length the plan was made for (informational; 0 = unknown)."""
+    layouts: Layouts | None = None
+    """Per-operator layouts on the tensor-parallel axis (see autoplan.layouts), replacing the
+    model family's tensor-parallel recipe; None = the recipe (Megatron-style)."""
 
     # ------------------------------------------------------------- derived
     @property
@@ -129,9 +133,13 @@ class Plan:
         tp = str(tps[0]) if len(tps) == 1 else "/".join(str(g.tp) for g in self.groups)
         split = ",".join(str(s.num_layers) for s in self.stages)
         v = f" v={self.virtual_stages}" if self.virtual_stages > 1 else ""
+        ops = ""
+        if self.layouts is not None:
+            cs = max((u.coshard for u in self.layouts.units), default=1)
+            ops = " op-layouts" + (f" coshard={cs}" if cs > 1 else "") + (" interlaced" if self.layouts.interlaced else "")
         return (f"dp={self.dp} tp={tp} pp={self.pp}{v} mb={self.micro_batch}x{self.num_micro_batches} "
                 f"{self.schedule} zero={self.zero} recompute={self.recompute}"
-                f"{' sp' if self.sequence_parallel else ''} split=[{split}]")
+                f"{' sp' if self.sequence_parallel else ''}{ops} split=[{split}]")
 
     # ---------------------------------------------------------- construction
     @classmethod
@@ -233,6 +241,11 @@ class Plan:
             if s.recompute not in RECOMPUTE_MODES:
                 raise ConfigError(f"{where}.recompute", f"{s.recompute!r} is not one of {list(RECOMPUTE_MODES)}")
             prev_end = s.end
+        if self.layouts is not None:
+            self.layouts.validate(model.num_layers if model is not None else None)
+            if self.sequence_parallel:
+                raise ConfigError("sequence_parallel", "cannot be combined with operator layouts",
+                                  "operator layouts say where activations are sharded: set it to false")
         if model is not None:
             if prev_end != model.num_layers:
                 raise ConfigError(f"stages[{len(self.stages) - 1}].end", f"is {prev_end}, but the model has "
@@ -256,14 +269,14 @@ class Plan:
             "groups": [{"ranks": list(g.ranks), "tp": g.tp} for g in self.groups],
             "stages": [{"layers": [s.start, s.end], "group": s.group, "recompute": s.recompute}
                        for s in self.stages],
-        }
+        } | ({"layouts": self.layouts.to_dict()} if self.layouts is not None else {})
 
     @classmethod
     def from_dict(cls, data: dict, where: str = "plan") -> "Plan":
         r = FieldReader(data, where)
         r.reject_unknown(("schema_version", "model", "seq_len", "dtype", "schedule", "virtual_stages",
                           "micro_batch", "num_micro_batches", "global_batch", "sequence_parallel",
-                          "zero", "groups", "stages", "estimate"))
+                          "zero", "groups", "stages", "estimate", "layouts"))
         version = r.int("schema_version", minimum=1)
         if version > SCHEMA_VERSION:
             raise ConfigError(r.path("schema_version"), f"{version} is newer than this autoplan "
@@ -291,7 +304,8 @@ class Plan:
                    sequence_parallel=r.bool("sequence_parallel", False),
                    zero=r.int("zero", 0, minimum=0, maximum=3),
                    dtype=r.str("dtype", "bf16", choices=("bf16", "fp16", "fp32")),
-                   model=r.str("model", ""), seq_len=r.int("seq_len", 0, minimum=0, maximum=MAX_SEQ_LEN))
+                   model=r.str("model", ""), seq_len=r.int("seq_len", 0, minimum=0, maximum=MAX_SEQ_LEN),
+                   layouts=Layouts.from_dict(r.raw("layouts"), r.path("layouts")) if r.has("layouts") else None)
         plan.validate()
         if r.has("global_batch"):
             stated = r.int("global_batch", minimum=1, maximum=MAX_GLOBAL_BATCH)

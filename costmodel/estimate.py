@@ -19,6 +19,7 @@ from costmodel.compute import ProfileSource, layer_timing
 from costmodel.efficiency import default_efficiency
 from costmodel.memory import (DEFAULT_MEMORY_MARGIN, GroupMemory, activation_bytes, group_memory,
                               model_state_bytes, optimizer_step_bytes, transient_bytes)
+from costmodel.redistribute import layout_comm
 from costmodel.simulate import Event, StageCosts, simulate
 from costmodel.uncertainty import error_bands
 
@@ -175,6 +176,11 @@ def device_timing_inputs(device, options: EstimateOptions):
     return eff, cal.compute_scale, "calibrated"
 
 
+def _pipeline_groups(plan: Plan) -> list[tuple[int, ...]]:
+    """Per data-parallel replica, every tensor-parallel rank of every pipeline group."""
+    return [sum((g.tp_groups()[d] for g in plan.groups), ()) for d in range(plan.dp)]
+
+
 def stage_costs(model: ModelSpec, cluster: Cluster, plan: Plan, options: EstimateOptions,
                 sources: dict[str, str] | None = None) -> list[StageCosts]:
     """Per-micro-batch costs of every stage of the plan."""
@@ -205,7 +211,7 @@ def stage_costs(model: ModelSpec, cluster: Cluster, plan: Plan, options: Estimat
             fwd, bwd_i, bwd_w = max(fwd, f * scale), max(bwd_i, bi * scale), max(bwd_w, bw * scale)
         bwd = bwd_i + bwd_w
         # Tensor-parallel collectives sit on the critical path of every layer.
-        tp_f = 0.0
+        tp_f = tp_b = 0.0
         if tp > 1:
             for i, layer in enumerate(layers, start=stage.start):
                 # A block's row-parallel outputs are all-reduced; the head's vocabulary-parallel
@@ -213,10 +219,18 @@ def stage_costs(model: ModelSpec, cluster: Cluster, plan: Plan, options: Estimat
                 size = layer.output_bytes if layer.kind != "head" else model.layers[max(i - 1, 0)].output_bytes
                 if layer.tp_allreduces_fwd:
                     tp_f += layer.tp_allreduces_fwd * _worst(cluster, tp_groups, b * size, "all_reduce")
-                if layer.kind == "head" and not stack.vocab_parallel_loss:
-                    # The loss needs the full vocabulary on every rank: gather the logits.
+                if layer.kind == "head" and layer.tp_allreduces_fwd and not stack.vocab_parallel_loss:
+                    # The loss needs the full vocabulary on every rank: gather the logits (a head
+                    # under operator layouts says itself where its logits are).
                     tp_f += _worst(cluster, tp_groups, b * layer.output_bytes, "all_gather")
-        tp_b = tp_f * (2 if stage.recompute == "full" else 1)
+            tp_b = tp_f
+            # The collectives of units under operator layouts (forward and backward apart).
+            pipeline = _pipeline_groups(plan)
+            for layer in layers:
+                f, b_ = layout_comm(cluster, tp_groups, layer, b, pipeline)
+                tp_f, tp_b = tp_f + f, tp_b + b_
+        # A fully recomputed stage repeats its forward collectives in the backward.
+        tp_b += tp_f if stage.recompute == "full" else 0.0
         fwd += tp_f
         bwd_i += tp_b
         bwd += tp_b

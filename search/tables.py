@@ -24,6 +24,7 @@ from costmodel.compute import layer_timing
 from costmodel.efficiency import default_efficiency
 from costmodel.estimate import EstimateOptions, device_timing_inputs
 from costmodel.memory import activation_bytes, transient_bytes
+from costmodel.redistribute import layout_comm
 
 RECOMPUTES = ("none", "selective", "full")
 """Recompute modes in order of increasing time and decreasing memory."""
@@ -182,14 +183,19 @@ class Tables:
                     if layer.tp_allreduces_fwd:
                         tp_comm = layer.tp_allreduces_fwd * collective_time(
                             self.cluster, tp_ranks, b * size, "all_reduce")
-                    if layer.kind == "head" and not stack.vocab_parallel_loss:
+                    if layer.kind == "head" and layer.tp_allreduces_fwd and not stack.vocab_parallel_loss:
                         tp_comm += collective_time(self.cluster, tp_ranks, b * layer.output_bytes, "all_gather")
+                tp_back = tp_comm
+                if tp > 1:
+                    # The collectives of a unit under operator layouts (forward and backward apart).
+                    f_, b_ = layout_comm(self.cluster, [tp_ranks], layer, b)
+                    tp_comm, tp_back = tp_comm + f_, tp_back + b_
                 rec = (0.0, t.recompute_selective, t.forward)
                 f, bwi, bww = t.forward * scale, t.backward_input * scale, t.backward_weight * scale
                 rec = tuple(r * scale for r in rec)
-                # The cost model repeats the forward's tensor-parallel all-reduces when a
+                # The cost model repeats the forward's tensor-parallel collectives when a
                 # fully recomputed unit re-runs its forward.
-                bi_q = tuple(bwi + rec[q] + tp_comm * (2 if q == 2 else 1) for q in range(3))
+                bi_q = tuple(bwi + rec[q] + tp_back + (tp_comm if q == 2 else 0.0) for q in range(3))
                 act_q = tuple(self._act_scale * activation_bytes([layer], m, b, tp, sp, stack, dtype)
                               for m in RECOMPUTES)
                 trans_q = tuple(self._act_scale * transient_bytes([layer], m, b, tp, sp, stack, dtype)

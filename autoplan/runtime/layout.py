@@ -52,6 +52,10 @@ def check_plan_supported(plan: Plan, num_units: int, kv_heads: int | None = None
                          sequence_parallel_ok: bool = True) -> None:
     """Raise ConfigError for plans this runtime cannot run faithfully (see docs/runtime.md)."""
     plan.validate()
+    if plan.layouts is not None:
+        raise ConfigError("layouts", "this trainer runs the model family's tensor-parallel recipe, not "
+                          "per-operator layouts", "run them with autoplan.runtime.operators.OperatorParallel "
+                          "(see docs/operators.md)")
     tps = [g.tp for g in plan.groups]
     if len(set(tps)) > 1:
         i = next(i for i, t in enumerate(tps) if t != tps[0])
