@@ -113,7 +113,7 @@ BAD = {
     "fractional-layers": ({**LLAMA3_8B, "num_hidden_layers": 31.5}, "num_hidden_layers", "integer"),
     "zero-vocab": ({**GPT2, "vocab_size": 0}, "vocab_size", ">= 1"),
     "tie-not-bool": ({**LLAMA3_8B, "tie_word_embeddings": "no"}, "tie_word_embeddings", "true or false"),
-    "unknown-model-type": ({**LLAMA3_8B, "model_type": "t5"}, "model_type", "'gpt2'"),
+    "unknown-model-type": ({**LLAMA3_8B, "model_type": "t5"}, "model_type", "'t5' is not supported"),
     "heads-not-dividing-hidden": ({**LLAMA3_8B, "num_attention_heads": 30, "num_key_value_heads": 10},
                                   "hidden_size", "not divisible"),
     "kv-heads-not-dividing": ({**LLAMA3_8B, "num_key_value_heads": 5}, "num_key_value_heads", "multiple"),

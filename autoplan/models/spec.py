@@ -122,6 +122,9 @@ class LayerSpec:
     in backward); with sequence parallelism each becomes a reduce-scatter + all-gather pair."""
     causal: bool = False
     """Attention is causal: fused kernels skip the masked half of the s x s work."""
+    attention_fraction: float = 1.0
+    """Share of that (causal) work a fused attention kernel does: 1 = every pair; a sliding
+    window of w tokens over a sequence of s leaves about w/s of it."""
 
     def __post_init__(self):
         # Specs are hashed on every cost lookup; compute the hash once.

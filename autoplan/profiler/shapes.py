@@ -106,6 +106,10 @@ def shape_key(layer: LayerSpec) -> ShapeKey:
         "attention_per_token2": [per_token2(layer.attention_flops_fwd.replicated),
                                  per_token2(layer.attention_flops_fwd.sharded)],
     }
+    if layer.attention_fraction != 1.0:
+        # A sliding window does less attention work (keys added only when present, so the
+        # fingerprints of full-attention layers stay what they were).
+        desc["attention_fraction"] = _round(layer.attention_fraction)
     text = json.dumps(desc, sort_keys=True, separators=(",", ":"))
     return ShapeKey(fingerprint=hashlib.sha1(text.encode()).hexdigest()[:16], tokens=s)
 
@@ -131,7 +135,7 @@ def spec_from_dict(d: dict) -> LayerSpec:
         kernels_fwd=int(d["kernels_fwd"]), kernels_bwd=int(d["kernels_bwd"]),
         activation_bytes=ActivationBytes(**{k: split(v) for k, v in d["activation_bytes"].items()}),
         output_bytes=float(d["output_bytes"]), tp_allreduces_fwd=int(d["tp_allreduces_fwd"]),
-        causal=bool(d["causal"]))
+        causal=bool(d["causal"]), attention_fraction=float(d.get("attention_fraction", 1.0)))
 
 
 # ------------------------------------------------------------------ shard configs
