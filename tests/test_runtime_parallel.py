@@ -66,6 +66,12 @@ CASES_2 = {
     "moe-tp-sp": ("moe-tiny", make_plan(tp=2, m=2, sp=True)),
     "bert-tp-sp": ("bert-tiny", make_plan(tp=2, m=2, sp=True)),
     "swin-tp": ("swin-tiny-test", make_plan(tp=2, m=2, bounds=((0, 10),))),
+    # Current families: Qwen3's per-head q/k norm under TP (a replicated weight over sharded
+    # heads), Gemma 2's windows, soft-caps, sandwich norms and scaled tied table under TP + SP,
+    # OLMo 2's norm layout under ZeRO.
+    "qwen3-tp": ("qwen3-tiny", make_plan(tp=2, m=2)),
+    "gemma2-tp-sp": ("gemma2-tiny", make_plan(tp=2, m=2, sp=True)),
+    "olmo2-zero1": ("olmo2-tiny", make_plan(dp=2, m=2, zero=1)),
 }
 CASES_4 = {
     "dp-x-tp-zero3-sp": ("llama-tiny", make_plan(dp=2, tp=2, m=2, zero=3, sp=True)),

@@ -155,6 +155,11 @@ def _check_tp_shapes(cfg, tp: int) -> None:
     if tp == 1:
         return
     if isinstance(cfg, TransformerConfig):
+        if cfg.qk_norm == "full":
+            # OLMo 2 normalises q and k over all heads: a tensor-parallel rank holds only some
+            # of them, and the statistic would need an all-reduce inside the norm.
+            raise ConfigError("groups[0].tp", f"{tp}: the model's q/k norm spans all heads "
+                              "(qk_norm='full'), which the runtime does not shard", "use tp=1")
         checks = {"heads": cfg.heads, "kv_heads": cfg.kv_heads, "ffn_hidden": cfg.ffn_hidden, "vocab": cfg.vocab}
     else:
         checks = {f"heads[{i}]": h for i, h in enumerate(cfg.heads)}
