@@ -10,7 +10,7 @@ from dataclasses import dataclass, fields, replace
 from typing import Any
 
 from autoplan.errors import ConfigError, closest
-from autoplan.plan import SCHEDULES
+from autoplan.plan import CP_COMMS, SCHEDULES
 from search.tables import RECOMPUTES
 
 
@@ -25,6 +25,14 @@ class Constraints:
     """Pipeline depths allowed (None: 1 up to the model's units)."""
     dp: tuple[int, ...] | None = None
     """Data-parallel degrees allowed (None: every divisor of the global batch that fits)."""
+    cp: tuple[int, ...] | None = None
+    """Context-parallel degrees allowed (None: 1 and every degree that splits the sequence into
+    parts of at least min_cp_tokens; single-device-type clusters only)."""
+    cp_comm: tuple[str, ...] = CP_COMMS
+    """Context-parallel exchanges tried where cp > 1 ('p2p', 'all_gather', 'a2a')."""
+    min_cp_tokens: int = 4096
+    """Fewest tokens of a sequence a context rank may hold when cp is None: shorter parts
+    make attention blocks too small to hide the exchange behind, so they are not tried."""
     micro_batch: tuple[int, ...] | None = None
     """Micro-batch sizes allowed (None: divisors of the per-replica batch up to max_micro_batch)."""
     max_micro_batch: int = 16
@@ -101,7 +109,7 @@ class Constraints:
                 raise ConfigError(k, "is not a search constraint", hint or f"known: {', '.join(sorted(known))}")
         out = {}
         for k, v in kwargs.items():
-            if k in ("tp", "pp", "dp", "micro_batch", "virtual_stages"):
+            if k in ("tp", "pp", "dp", "cp", "micro_batch", "virtual_stages"):
                 if v is None:
                     out[k] = None
                     continue
@@ -117,6 +125,13 @@ class Constraints:
                         raise ConfigError(k, f"{x!r} is not a schedule", closest(str(x), SCHEDULES)
                                           or f"choose from {list(SCHEDULES)}")
                 out[k] = tuple(s for s in SCHEDULES if s in vals)
+            elif k == "cp_comm":
+                vals = _tuple(v)
+                for x in vals:
+                    if x not in CP_COMMS:
+                        raise ConfigError(k, f"{x!r} is not a context-parallel exchange",
+                                          f"choose from {list(CP_COMMS)}")
+                out[k] = tuple(s for s in CP_COMMS if s in vals)
             elif k == "recompute":
                 vals = _tuple(v)
                 for x in vals:
@@ -136,7 +151,8 @@ class Constraints:
                         raise ConfigError(k, f"must be True or False, got {x!r}")
                 out[k] = tuple(sorted(set(vals)))
             elif k in ("max_micro_batch", "max_virtual_stages", "max_estimates", "estimate_actions",
-                       "placement_alternatives", "max_stages", "refine_evaluations", "max_exhaustive_pipelines"):
+                       "placement_alternatives", "max_stages", "refine_evaluations", "max_exhaustive_pipelines",
+                       "min_cp_tokens"):
                 if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                     raise ConfigError(k, f"must be a positive integer, got {v!r}")
                 out[k] = v
@@ -172,7 +188,7 @@ class Constraints:
                 out[k] = v
             else:
                 out[k] = v
-        for k in ("schedules", "recompute", "zero", "sequence_parallel"):
+        for k in ("schedules", "recompute", "zero", "sequence_parallel", "cp_comm"):
             if k in out and not out[k]:
                 raise ConfigError(k, "must allow at least one value")
         c = cls(**out)

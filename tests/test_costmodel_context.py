@@ -23,7 +23,7 @@ def cluster():
 
 @pytest.fixture(scope="module")
 def model():
-    return autoplan.models.get("llama3-8b", layers=2, seq_len=32768)
+    return autoplan.models.get("llama3-8b", layers=4, seq_len=32768)   # shared with test_search_context
 
 
 def test_a_rank_does_1_over_cp_of_every_token_wise_quantity(model):
