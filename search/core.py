@@ -26,6 +26,7 @@ from dataclasses import replace
 
 from autoplan.cluster import Cluster
 from autoplan.errors import ConfigError, NoPlanFitsError
+from autoplan.limits import MAX_GLOBAL_BATCH, MAX_MICRO_BATCHES, MAX_SCHEDULE_SLOTS
 from autoplan.models.spec import ModelSpec
 from autoplan.plan import DeviceGroup, Plan, Stage
 from autoplan.units import GiB
@@ -47,8 +48,8 @@ def search(model: ModelSpec, cluster: Cluster, global_batch: int, **constraints)
 
     Raises NoPlanFitsError when no plan in the space fits in memory; the message gives
     the leanest plan's memory per device type and what would make one fit."""
-    if not isinstance(global_batch, int) or isinstance(global_batch, bool) or global_batch < 1:
-        raise ConfigError("global_batch", f"must be a positive integer, got {global_batch!r}")
+    if not isinstance(global_batch, int) or isinstance(global_batch, bool) or not 1 <= global_batch <= MAX_GLOBAL_BATCH:
+        raise ConfigError("global_batch", f"must be an integer in 1..{MAX_GLOBAL_BATCH:,}, got {global_batch!r}")
     c = Constraints.build(**constraints)
     engine = c.engine()
     if engine.name != "autoplan":
@@ -61,6 +62,14 @@ def search(model: ModelSpec, cluster: Cluster, global_batch: int, **constraints)
         refusal = model_violation(model, engine)
         if refusal is not None:
             raise refusal
+    if c.tp is not None:
+        # An impossible degree is a mistake to name, not a search that finds nothing.
+        allowed = model.tp_degrees(max(c.tp))
+        bad = [t for t in c.tp if t not in allowed]
+        if bad:
+            what = (f"the model's {model.heads} attention heads ({model.kv_heads} key/value heads)"
+                    if model.tp_shardable else f"{model.name} (its layers are not tensor-parallel)")
+            raise ConfigError("tp", f"{bad[0]} does not divide {what}", f"allowed degrees: {allowed}")
     return _Search(model, cluster, global_batch, c).run()
 
 
@@ -217,13 +226,16 @@ class _Search:
         replicas may run at micro-batch b. A new per-setting degree (a choice that does not
         change the device groups) joins here, and in settings() / Setting."""
         m = self.gb // (dp * b)
+        if m > MAX_MICRO_BATCHES:
+            return   # a plan past the limits cannot be estimated or run
         for sched in self.schedules(P):
             if sched != "interleaved-1f1b":
-                yield m, sched, 1
+                if P * m <= MAX_SCHEDULE_SLOTS:
+                    yield m, sched, 1
             elif P > 1 and m % P == 0:
                 vs = self.c.virtual_stages or range(2, self.c.max_virtual_stages + 1)
                 for v in vs:
-                    if v >= 2 and P * v <= self.L:
+                    if v >= 2 and P * v <= self.L and P * v * m <= MAX_SCHEDULE_SLOTS:
                         yield m, sched, v
 
     # --------------------------------------------------------- skeletons

@@ -10,6 +10,7 @@ from dataclasses import dataclass, fields, replace
 from typing import Any
 
 from autoplan.errors import ConfigError, closest
+from autoplan.limits import MAX_GPUS, MAX_MICRO_BATCH, MAX_SEQ_LEN, MAX_UNITS, MAX_VIRTUAL_STAGES
 from autoplan.plan import CP_COMMS, SCHEDULES
 from search.tables import RECOMPUTES
 
@@ -114,9 +115,10 @@ class Constraints:
                     out[k] = None
                     continue
                 vals = _tuple(v)
+                top = _LIMITS[k]
                 for x in vals:
-                    if not isinstance(x, int) or isinstance(x, bool) or x < 1:
-                        raise ConfigError(k, f"must be positive integers, got {x!r}")
+                    if not isinstance(x, int) or isinstance(x, bool) or not 1 <= x <= top:
+                        raise ConfigError(k, f"must be integers in 1..{top:,}, got {str(x)[:40]!r}")
                 out[k] = tuple(sorted(set(vals)))
             elif k == "schedules":
                 vals = _tuple(v)
@@ -152,17 +154,19 @@ class Constraints:
                 out[k] = tuple(sorted(set(vals)))
             elif k in ("max_micro_batch", "max_virtual_stages", "max_estimates", "estimate_actions",
                        "placement_alternatives", "max_stages", "refine_evaluations", "max_exhaustive_pipelines",
-                       "min_cp_tokens"):
-                if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                    raise ConfigError(k, f"must be a positive integer, got {v!r}")
+                       "min_cp_tokens", "seed"):
+                top = _LIMITS[k]
+                low = 0 if k == "seed" else 1
+                if not isinstance(v, int) or isinstance(v, bool) or not low <= v <= top:
+                    raise ConfigError(k, f"must be an integer in {low}..{top:,}, got {str(v)[:40]!r}")
                 out[k] = v
             elif k == "time_limit":
                 if v is not None and (not isinstance(v, (int, float)) or isinstance(v, bool) or v <= 0):
                     raise ConfigError(k, f"must be a positive number of seconds, got {v!r}")
                 out[k] = None if v is None else float(v)
             elif k == "placement_time_limit":
-                if not isinstance(v, (int, float)) or isinstance(v, bool) or v <= 0:
-                    raise ConfigError(k, f"must be a positive number of seconds, got {v!r}")
+                if not isinstance(v, (int, float)) or isinstance(v, bool) or not 0 < v <= 3600:
+                    raise ConfigError(k, f"must be a number of seconds in (0, 3600], got {str(v)[:40]!r}")
                 out[k] = float(v)
             elif k in ("target", "engine_version"):
                 if v is not None and not isinstance(v, str):
@@ -218,6 +222,15 @@ class Constraints:
             # A new stack brings its own overlap and send behaviour.
             changes.update(overlap_grad_reduce=None, blocking_p2p=None)
         return replace(opts, **changes) if changes else opts
+
+
+_LIMITS = {"tp": MAX_GPUS, "pp": MAX_UNITS, "dp": MAX_GPUS, "cp": MAX_GPUS, "micro_batch": MAX_MICRO_BATCH,
+           "virtual_stages": MAX_VIRTUAL_STAGES, "max_micro_batch": MAX_MICRO_BATCH,
+           "max_virtual_stages": MAX_VIRTUAL_STAGES, "max_estimates": 10_000, "estimate_actions": 10**9,
+           "placement_alternatives": 100, "max_stages": MAX_UNITS, "refine_evaluations": 1_000_000,
+           "max_exhaustive_pipelines": 1_000_000, "seed": 2**31 - 1,
+           "min_cp_tokens": MAX_SEQ_LEN}
+"""Largest value of each numeric constraint (beyond them a search would run for hours)."""
 
 
 def _tuple(v) -> tuple:

@@ -310,7 +310,12 @@ class Splitter:
                 cap_j = np.array(budgets)[:, None, None, None]
                 need = band(base, 0.0)[None] + n * band(act, 0.0)[None]
                 if objective == "memory":
-                    val = np.where(t_band <= period_limit, need / cap_j, INF)
+                    # A device with no budget left (cap 0) takes nothing: any need is
+                    # infinite there, and 0/0 must not become NaN (argmin would pick it).
+                    with np.errstate(divide="ignore", invalid="ignore"):
+                        frac = np.where(cap_j > 0, need / np.where(cap_j > 0, cap_j, 1.0),
+                                        np.where(need > 0, INF, 0.0))
+                    val = np.where(t_band <= period_limit, frac, INF)
                 else:
                     val = np.where(need <= cap_j, t_band, INF)
                     if np.isfinite(period_limit):

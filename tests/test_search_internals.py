@@ -298,3 +298,28 @@ def test_collectives_read_by_shape_equal_the_cost_model(name):
             for nbytes in (1e6, 7e8):
                 assert alpha + beta * nbytes == pytest.approx(collective_time(cluster, ranks, nbytes, kind),
                                                               rel=1e-9), (ranks, kind)
+
+
+def test_progress_bar_ticks_during_a_long_step():
+    """While one step runs long (a CP-SAT solve), the bar is redrawn with the elapsed
+    time, so it never looks frozen; after close() nothing more is written."""
+    import io
+    import time
+
+    from search import progress as P
+
+    class Tty(io.StringIO):
+        def isatty(self):
+            return True
+
+    stream = Tty()
+    bar = P.Progress(True, stream=stream)
+    bar.phase("placement", 3)
+    time.sleep(4 * P.TICK_S)          # no step() meanwhile
+    draws = stream.getvalue().count("\rsearch placement")
+    bar.close()
+    assert draws >= 3, stream.getvalue()
+    assert "s" in stream.getvalue().split("0/3")[-1]
+    after = stream.getvalue()
+    time.sleep(2 * P.TICK_S)
+    assert stream.getvalue() == after
