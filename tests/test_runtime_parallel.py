@@ -89,7 +89,7 @@ CASES_4 = {
                                                         schedule="1f1b", zero=0)),
     "cp-x-dp-zero1": ("llama-tiny", make_plan(dp=2, cp=2, m=2, zero=1)),
     "cp-x-tp-sp": ("llama-tiny", make_plan(cp=2, tp=2, m=2, sp=True)),
-    "cp-a2a-x-dp-replicate": ("qwen3-tiny", make_plan(dp=2, cp=2, m=1, mb=2, cp_comm="a2a")),
+    "cp-a2a-x-dp-ddp": ("qwen3-tiny", make_plan(dp=2, cp=2, m=1, mb=2, cp_comm="a2a")),
     "pp-x-tp-interleaved-sp": ("gpt-tiny", make_plan(pp=2, tp=2, v=2, bounds=((0, 1), (1, 2), (2, 3), (3, 4)),
                                                      m=2, schedule="interleaved-1f1b", sp=True)),
 }
