@@ -113,6 +113,8 @@ def search_operator_plans(model, cluster: Cluster, global_batch: int, *, example
     for bad in ("sequence_parallel",):
         if bad in constraints:
             raise ConfigError(bad, "is decided by the operator layouts", "leave it out")
+    if constraints.get("cp") not in (None, 1, (1,), [1]):
+        raise ConfigError("cp", "operator layouts cover the tensor-parallel axis only", "search layouts with cp=1")
     if constraints.get("target") not in (None, "autoplan"):
         raise ConfigError("target", f"per-operator layouts run on autoplan's runtime only, not {constraints['target']}",
                           "search without layouts for another engine")
@@ -213,7 +215,9 @@ def _layout_micro_batch(model: ModelGraph, cluster: Cluster, global_batch: int) 
 
 def _layer_search(view, cluster, global_batch, t, constraints, stats: SearchStats) -> list[RankedPlan]:
     try:
-        res = layer_search(view, cluster, global_batch, tp=(t,), sequence_parallel=(False,), **constraints)
+        # Layouts cover the tensor-parallel axis only (Plan.validate refuses cp > 1 with them).
+        res = layer_search(view, cluster, global_batch, **{**constraints, "tp": (t,), "sequence_parallel": (False,),
+                                                            "cp": (1,)})
     except NoPlanFitsError:
         return []
     s = res.stats

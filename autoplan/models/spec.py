@@ -146,6 +146,9 @@ class LayerSpec:
     transient_bytes: Split = Split()
     """Bytes per sample held only while the unit's backward runs (a co-sharded unit
     rebuilding one chunk; an interlaced unit's share), on top of the usual temporaries."""
+    attention_fraction: float = 1.0
+    """Share of that (causal) work a fused attention kernel does: 1 = every pair; a sliding
+    window of w tokens over a sequence of s leaves about w/s of it."""
 
     def __post_init__(self):
         # Specs are hashed on every cost lookup; compute the hash once.
