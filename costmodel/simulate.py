@@ -35,6 +35,10 @@ class StageCosts:
     tp_comm_forward: float = 0.0
     """Part of ``forward`` that is tensor-parallel communication."""
     tp_comm_backward: float = 0.0
+    cp_comm_forward: float = 0.0
+    """Part of ``forward`` that is exposed context-parallel exchange."""
+    cp_comm_backward: float = 0.0
+    """Part of ``backward`` (and ``backward_input``) that is exposed context-parallel exchange."""
 
 
 @dataclass(frozen=True)

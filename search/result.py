@@ -13,6 +13,7 @@ from search.placement import PlacementStats
 BREAKDOWN_WORDS = {
     "compute": "compute on the critical rank",
     "tp_communication": "tensor-parallel communication",
+    "cp_communication": "exposed context-parallel key/value exchange",
     "bubble": "pipeline bubble (idle time waiting on other stages)",
     "dp_communication": "exposed data-parallel gradient communication",
     "optimizer": "optimizer step and ZeRO parameter gathers",
@@ -154,6 +155,8 @@ class SearchResult:
         """The top plans as a plain-text table."""
         rows = []
         total = self.cluster.num_gpus
+        # The context-parallel column appears when a listed plan splits sequences.
+        show_cp = any(rp.plan.cp > 1 for rp in self.ranked[:top_k])
         for rp in self.ranked[:top_k]:
             p, e = rp.plan, rp.estimate
             dp, tp, pp = describe_degrees(p)
@@ -166,8 +169,12 @@ class SearchResult:
                          str(p.zero), p.recompute + (" sp" if p.sequence_parallel else ""),
                          f"{e.iteration_time_s:.3f}", band, f"{e.tokens_per_s:,.0f}", f"{e.mfu:.1%}", mem,
                          e.status])
+            if show_cp:
+                rows[-1].insert(5, f"{p.cp} {p.cp_comm}" if p.cp > 1 else "1")
         header = ["#", "GPUs", "dp", "tp", "pp", "schedule", "mb x n", "zero", "recompute",
                   "iter s", "80% range", "tokens/s", "MFU", "peak GiB/device", "memory"]
+        if show_cp:
+            header.insert(5, "cp")
         return _format_table(rows, header)
 
     def explain(self) -> str:

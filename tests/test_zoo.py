@@ -21,6 +21,13 @@ TINY = {
     "gpt-relu-untied": ("gpt-tiny", {"mlp": "relu", "tie_embeddings": False}),
     "llama-gqa": ("llama-tiny", {}),
     "llama-math": ("llama-tiny", {"attention": "math"}),
+    "qwen2-qkv-bias": ("llama-tiny", {"qkv_bias": True}),
+    "qwen3-head-qk-norm": ("llama-tiny", {"qk_norm": "head"}),
+    "olmo2-full-qk-norm-output-norms": ("llama-tiny", {"qk_norm": "full", "norm_layout": "output"}),
+    "phi3-sliding-window": ("llama-tiny", {"sliding_window": 8}),
+    "gemma2": ("llama-tiny", dict(mlp="geglu", norm_layout="sandwich", sliding_window=8, global_every=2,
+                                  attn_softcap=50.0, logit_softcap=30.0, attn_scale=0.2, embed_scale=True,
+                                  tie_embeddings=True)),
     "moe": ("moe-tiny", {}),
     "bert": ("bert-tiny", {}),
     "swin": ("swin-tiny-test", {}),
@@ -168,7 +175,9 @@ def _shard_like_tp(dst: nn.Module, src: nn.Module, plan: dict[str, str], rank: i
     """Fill a module built at per-rank shapes with rank ``rank``'s shard of ``src``."""
     for fqn, style in plan.items():
         d, s = dst.get_submodule(fqn), src.get_submodule(fqn)
-        if style == "rowwise":
+        if style == "head_norm":   # replicated: every rank holds the whole scale
+            d.weight.data.copy_(s.weight.data)
+        elif style == "rowwise":
             _shard_cols(d, s, rank, world)
         elif isinstance(s, nn.Embedding):  # colwise embedding: a block of columns (heads)
             n = d.embedding_dim
@@ -198,6 +207,11 @@ SHARD_CASES = {
     "llama-gqa-attention": (_transformer_shard_case, "llama-tiny", {}, Attention),
     "llama-math-attention": (_transformer_shard_case, "llama-tiny", {"attention": "math"}, Attention),
     "llama-swiglu": (_transformer_shard_case, "llama-tiny", {}, MLP),
+    "qwen2-qkv-bias-attention": (_transformer_shard_case, "llama-tiny", {"qkv_bias": True}, Attention),
+    "qwen3-head-qk-norm-attention": (_transformer_shard_case, "llama-tiny", {"qk_norm": "head"}, Attention),
+    "gemma2-attention": (_transformer_shard_case, "llama-tiny",
+                         dict(sliding_window=4, attn_softcap=5.0, attn_scale=0.3), Attention),
+    "gemma2-geglu": (_transformer_shard_case, "llama-tiny", {"mlp": "geglu"}, MLP),
     "bert-attention": (_transformer_shard_case, "bert-tiny", {}, Attention),
     "moe-experts": (_transformer_shard_case, "moe-tiny", {}, MoE),
     "swin-window": (_swin_shard_case, "swin", 0, WindowAttention),
