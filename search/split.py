@@ -67,6 +67,7 @@ class Splitter:
         self._free: dict = {}
         self._free_mixed: dict = {}
         self._shares: dict = {}
+        self._shortest: dict = {}
         self.runs = 0
         """DP runs (for the search statistics; splits shared from the cache not counted)."""
 
@@ -258,21 +259,26 @@ class Splitter:
             return None
         qs = [RECOMPUTES.index(m) for m in modes]
         K = L - S + 1
+        time_ms = [self._time_mats(sk, g, st) for g in range(P)]
         if unlimited:
             # The even split (unit counts differing by at most one) bounds the least
             # period from above: no stage of the optimum costs more than it does.
             edges = [round(i * L / S) for i in range(S + 1)]
-            even = max(float(self._time_mats(sk, j % P, st)[qs[0]][a, e])
-                       for j, (a, e) in enumerate(zip(edges, edges[1:])))
+            even = max(float(time_ms[j % P][qs[0]][a, e]) for j, (a, e) in enumerate(zip(edges, edges[1:])))
             period_limit = min(period_limit, even * (1 + 1e-9))
         if np.isfinite(period_limit):
             # No stage may be longer than the shortest run of units that already exceeds
-            # the limit on the fastest group.
-            mats = {id(m): m for m in (self._time_mats(sk, g, st)[qs[0]] for g in range(P))}
-            fastest = np.minimum.reduce(list(mats.values()))
-            start_k, valid_k = self._index(K)
-            shortest = np.where(valid_k, fastest[start_k, np.arange(L + 1)[:, None]], INF).min(axis=0)
-            over = np.nonzero(shortest > period_limit)[0]
+            # the limit on the fastest group. (shortest[d]: the cheapest run of d + 1 units
+            # on any of the groups; it depends only on the groups' matrices, so it is
+            # kept, at full width, for the next DP over them.)
+            key = (frozenset(id(m) for m in time_ms), qs[0])
+            shortest = self._shortest.get(key)
+            if shortest is None:
+                fastest = np.minimum.reduce([m[qs[0]] for m in {id(m): m for m in time_ms}.values()])
+                start_k, valid_k = self._index(L)
+                shortest = self._shortest[key] = np.where(
+                    valid_k, fastest[start_k, np.arange(L + 1)[:, None]], INF).min(axis=0)
+            over = np.nonzero(shortest[:K] > period_limit)[0]
             if len(over):
                 K = int(over[0])
             if K < 1:
@@ -300,7 +306,7 @@ class Splitter:
         # in-flight count, on its chunk): look the group's matrices up once.
         per_group = []
         for g in range(P):
-            time_m = self._time_mats(sk, g, st)
+            time_m = time_ms[g]
             if unlimited:
                 per_group.append((time_m, None, None, 0.0))
                 continue
