@@ -179,7 +179,8 @@ def device_timing_inputs(device, options: EstimateOptions):
 
 def _pipeline_groups(plan: Plan) -> list[tuple[int, ...]]:
     """Per data-parallel replica, every tensor-parallel rank of every pipeline group."""
-    return [sum((g.tp_groups()[d] for g in plan.groups), ()) for d in range(plan.dp)]
+    per_group = [g.tp_groups() for g in plan.groups]
+    return [sum((tps[d] for tps in per_group), ()) for d in range(plan.dp)]
 
 
 def stage_costs(model: ModelSpec, cluster: Cluster, plan: Plan, options: EstimateOptions,
@@ -209,6 +210,7 @@ def stage_costs(model: ModelSpec, cluster: Cluster, plan: Plan, options: Estimat
 
     tp_groups_of = {id(g): g.tp_groups() for g in plan.groups}
     dp_groups_of = {id(g): g.dp_cp_groups() for g in plan.groups}
+    pipeline = None
     for s_idx, stage in enumerate(plan.stages):
         group = plan.groups[stage.group]
         # Context ranks hold the same weights as data replicas: gradients are reduced, and
@@ -249,7 +251,8 @@ def stage_costs(model: ModelSpec, cluster: Cluster, plan: Plan, options: Estimat
                     tp_f += worst(tp_groups, b * layer.output_bytes, "all_gather")
             tp_b = tp_f
             # The collectives of units under operator layouts (forward and backward apart).
-            pipeline = _pipeline_groups(plan)
+            if pipeline is None:
+                pipeline = _pipeline_groups(plan)   # the same for every stage
             for layer in layers:
                 f, b_ = layout_comm(cluster, tp_groups, layer, b, pipeline)
                 tp_f, tp_b = tp_f + f, tp_b + b_

@@ -348,20 +348,25 @@ class Splitter:
             n = np.array([k[0] for k in keys], dtype=float)[:, None, None]
             cap_j = np.array([k[1] for k in keys])[:, None, None]
             base_b, act_b = band(base, 0.0), band(act, 0.0)
+            # (Where a test holds for a whole row or the whole band, it is settled once
+            # on the row or the band instead of on every element.)
+            no_room = [r for r, k in enumerate(keys) if not k[1] > 0]
+            safe_cap = np.where(cap_j > 0, cap_j, 1.0)
             best = choice = None
             for i, q in enumerate(qs):
                 need = base_b[i][None] + n * act_b[i][None]
+                t_i = t_band[i]
+                if limited:
+                    t_i = np.where(t_i <= period_limit, t_i, INF)
                 if objective == "memory":
                     # A device with no budget left (cap 0) takes nothing: any need is
                     # infinite there, and 0/0 must not become NaN.
-                    with np.errstate(divide="ignore", invalid="ignore"):
-                        frac = np.where(cap_j > 0, need / np.where(cap_j > 0, cap_j, 1.0),
-                                        np.where(need > 0, INF, 0.0))
-                    val = np.where(t_band[i][None] <= period_limit, frac, INF)
+                    frac = need / safe_cap
+                    for r in no_room:
+                        frac[r] = np.where(need[r] > 0, INF, 0.0)
+                    val = np.where(t_i[None] < INF, frac, INF) if limited else frac
                 else:
-                    val = np.where(need <= cap_j, t_band[i][None], INF)
-                    if limited:
-                        val = np.where(val <= period_limit, val, INF)
+                    val = np.where(need <= cap_j, t_i[None], INF)
                 # The first of equal modes wins: the fastest (modes are listed fastest
                 # first), so a later mode must be strictly better.
                 if best is None:
