@@ -83,8 +83,8 @@ def simulate(program: ScheduleProgram, costs: list[StageCosts], optimizer: list[
     like the search, skip building one object per action)."""
     P = len(program.ranks)
     compiled = program.compiled
-    finish: list[float | None] = [None] * compiled.size
-    started: list[float] = [0.0] * compiled.size
+    finish: list[float | None] = [None] * (compiled.size + 1)   # (the last: an action the program lacks)
+    started: list[float] = [0.0] * (compiled.size + 1)
     ptr = [0] * P
     free = [0.0] * P
     busy = [0.0] * P
