@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from autoplan.errors import ConfigError
 from autoplan.models.config import TransformerConfig
-from autoplan.models.spec import ActivationBytes, Gemm, LayerSpec, Split
+from autoplan.models.spec import ActivationBytes, ExpertSpec, Gemm, LayerSpec, Split
 
 TOKEN_ID_BYTES = 8
 """Bytes per input element of an embedding unit: token ids are int64."""
@@ -71,7 +71,8 @@ def _gemm_signature(g: Gemm, tokens: int) -> tuple:
     else:
         # Batched attention products: the s x s dimensions scale with the sequence.
         dims = tuple("s" if tokens and round(v) == tokens else _round(v) for v in (g.m, g.n, g.k, g.count))
-    return dims + (g.shard_dim, g.batch_dim, g.in_core)
+    # Expert matmuls are marked only when present, so the keys of dense layers stay as they were.
+    return dims + (g.shard_dim, g.batch_dim, g.in_core) + (("expert",) if g.expert else ())
 
 
 def shape_key(layer: LayerSpec) -> ShapeKey:
@@ -131,7 +132,15 @@ def spec_from_dict(d: dict) -> LayerSpec:
         kernels_fwd=int(d["kernels_fwd"]), kernels_bwd=int(d["kernels_bwd"]),
         activation_bytes=ActivationBytes(**{k: split(v) for k, v in d["activation_bytes"].items()}),
         output_bytes=float(d["output_bytes"]), tp_allreduces_fwd=int(d["tp_allreduces_fwd"]),
-        causal=bool(d["causal"]))
+        causal=bool(d["causal"]), experts=_experts_from_dict(d.get("experts")))
+
+
+def _experts_from_dict(d: dict | None) -> ExpertSpec | None:
+    if d is None:
+        return None
+    return ExpertSpec(num_experts=int(d["num_experts"]), top_k=int(d["top_k"]), params=Split(**d["params"]),
+                      activation_bytes=Split(**d["activation_bytes"]), dispatch_bytes=float(d["dispatch_bytes"]),
+                      capacity_factor=d.get("capacity_factor"))
 
 
 # ------------------------------------------------------------------ shard configs
@@ -153,10 +162,16 @@ def shard_config(cfg: TransformerConfig, tp: int) -> TransformerConfig:
         raise ConfigError("tp", f"{tp} neither divides nor is a multiple of {c.name}'s {c.kv_heads} kv heads")
     if c.ffn_hidden % tp:
         raise ConfigError("tp", f"{tp} does not divide {c.name}'s MLP width {c.ffn_hidden}")
+    if c.arch == "moe" and (c.moe_ffn_hidden % tp or c.shared_ffn_hidden % tp):
+        raise ConfigError("tp", f"{tp} does not divide {c.name}'s expert widths "
+                          f"({c.moe_ffn_hidden}, shared {c.shared_ffn_hidden})")
     if c.kv_heads % tp == 0 and c.vocab % tp == 0:
         return c.with_shard(1 / tp).resolved()
+    moe = {}
+    if c.arch == "moe":
+        moe = dict(moe_ffn_hidden=c.moe_ffn_hidden // tp, shared_ffn_hidden=c.shared_ffn_hidden // tp)
     return dataclasses.replace(c, heads=c.heads // tp, kv_heads=max(1, c.kv_heads // tp),
-                               ffn_hidden=c.ffn_hidden // tp, vocab=-(-c.vocab // tp)).resolved()
+                               ffn_hidden=c.ffn_hidden // tp, vocab=-(-c.vocab // tp), **moe).resolved()
 
 
 def tp_supported(cfg: TransformerConfig, tp: int) -> str:

@@ -7,8 +7,10 @@ Contract the planner and runtime rely on:
   ``nn.Sequential(*model.layers[a:b])`` is a pipeline stage, and ``model(x)`` chains them.
 * every unit has ``tp_plan() -> {relative submodule name: style}`` with styles
   ``colwise``, ``rowwise`` (Megatron linear sharding), ``norm`` (replicated norm; a
-  sequence-parallel region under SP), ``embedding`` (vocab-sharded token table) and
-  ``output`` (vocab-sharded output projection); unlisted modules stay replicated.
+  sequence-parallel region under SP), ``embedding`` (vocab-sharded token table),
+  ``output`` (vocab-sharded output projection) and ``experts`` (a ``GroupedExperts``:
+  stacked expert weights, sharded by expert under expert parallelism and like a Megatron
+  MLP under tensor parallelism); unlisted modules stay replicated.
 * ``loss_fn(output, target)`` and ``example_inputs(cfg, batch)`` complete a training step.
 """
 from __future__ import annotations
