@@ -5,7 +5,8 @@ as a (dp x tp) grid with tensor-parallel ranks adjacent (inside a node). The mod
 units are cut into ``pp * virtual_stages`` contiguous *stages*; stage ``s`` runs on
 group ``s % pp`` (interleaved schedules loop over the groups ``virtual_stages`` times).
 Data-parallel degree is the same for every group, so every micro-batch passes every
-stage once; tensor-parallel degree may differ per group (heterogeneous clusters).
+stage once; tensor-parallel degree may differ per group (heterogeneous clusters). A
+mixture-of-experts model's experts are split over ``ep`` of each group's data-parallel ranks.
 """
 from __future__ import annotations
 
@@ -22,7 +23,9 @@ if TYPE_CHECKING:
     from autoplan.cluster import Cluster
     from autoplan.models.spec import ModelSpec
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+"""Version 2 added ``ep`` (and context parallelism's ``groups[i].cp``); version 1 files are read
+with the missing degrees = 1."""
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble")
 
 
@@ -44,6 +47,22 @@ class DeviceGroup:
 
     def dp_groups(self) -> list[tuple[int, ...]]:
         return [self.ranks[t::self.tp] for t in range(self.tp)]
+
+    def ep_groups(self, ep: int) -> list[tuple[int, ...]]:
+        """Expert-parallel groups of degree ``ep``: for every tensor shard, the group's
+        data-parallel (x context-parallel) ranks in runs of ``ep`` consecutive ones, as
+        Megatron-Core folds expert parallelism into data parallelism. Each group holds all
+        experts between its members and exchanges tokens by all-to-all."""
+        n = len(self.ranks) // self.tp
+        return [tuple(self.ranks[j * self.tp + t] for j in range(e * ep, (e + 1) * ep))
+                for t in range(self.tp) for e in range(n // ep)]
+
+    def expert_dp_groups(self, ep: int) -> list[tuple[int, ...]]:
+        """The ranks holding the same experts (one per expert-parallel group): what expert
+        gradients are reduced over, and what ZeRO shards expert states over."""
+        n = len(self.ranks) // self.tp
+        return [tuple(self.ranks[(e * ep + i) * self.tp + t] for e in range(n // ep))
+                for t in range(self.tp) for i in range(ep)]
 
 
 @dataclass(frozen=True)
@@ -85,6 +104,11 @@ class Plan:
     zero: int = 0
     """ZeRO stage 0-3 over the data-parallel group (1: optimizer states, 2: + gradients,
     3: + parameters sharded)."""
+    ep: int = 1
+    """Expert-parallel degree: each routed-expert layer's experts are split over ``ep`` ranks
+    drawn from a group's data-parallel (x context-parallel) ranks, which exchange tokens by
+    all-to-all (see :meth:`DeviceGroup.ep_groups`); expert states are ZeRO-sharded over the
+    remaining dp / ep ranks that hold the same experts."""
     dtype: str = "bf16"
     """Compute dtype (mixed precision with fp32 master weights and Adam states)."""
     model: str = ""
@@ -127,7 +151,8 @@ class Plan:
         tp = str(tps[0]) if len(tps) == 1 else "/".join(str(g.tp) for g in self.groups)
         split = ",".join(str(s.num_layers) for s in self.stages)
         v = f" v={self.virtual_stages}" if self.virtual_stages > 1 else ""
-        return (f"dp={self.dp} tp={tp} pp={self.pp}{v} mb={self.micro_batch}x{self.num_micro_batches} "
+        ep = f" ep={self.ep}" if self.ep > 1 else ""
+        return (f"dp={self.dp} tp={tp} pp={self.pp}{v}{ep} mb={self.micro_batch}x{self.num_micro_batches} "
                 f"{self.schedule} zero={self.zero} recompute={self.recompute}"
                 f"{' sp' if self.sequence_parallel else ''} split=[{split}]")
 
@@ -136,12 +161,12 @@ class Plan:
     def uniform(cls, model: "ModelSpec", cluster: "Cluster", *, tp: int, pp: int, dp: int,
                 micro_batch: int, global_batch: int, schedule: str = "1f1b", virtual_stages: int = 1,
                 recompute: str = "none", sequence_parallel: bool = False, zero: int = 0,
-                dtype: str = "bf16", first_rank: int = 0) -> "Plan":
+                dtype: str = "bf16", first_rank: int = 0, ep: int = 1) -> "Plan":
         """Megatron-style plan: ranks in order (tensor-parallel fastest, then data, then
         pipeline), transformer blocks split evenly, embedding on the first stage and the
         head on the last."""
         for name, v in (("tp", tp), ("pp", pp), ("dp", dp), ("micro_batch", micro_batch),
-                        ("global_batch", global_batch), ("virtual_stages", virtual_stages)):
+                        ("global_batch", global_batch), ("virtual_stages", virtual_stages), ("ep", ep)):
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ConfigError(name, f"must be a positive integer, got {v!r}")
         if global_batch % (micro_batch * dp):
@@ -158,7 +183,7 @@ class Plan:
         plan = cls(groups=groups, stages=stages, micro_batch=micro_batch,
                    num_micro_batches=global_batch // (micro_batch * dp), schedule=schedule,
                    virtual_stages=virtual_stages, sequence_parallel=sequence_parallel, zero=zero,
-                   dtype=dtype, model=model.name, seq_len=model.seq_len)
+                   dtype=dtype, model=model.name, seq_len=model.seq_len, ep=ep)
         plan.validate(model, cluster)
         return plan
 
@@ -180,6 +205,8 @@ class Plan:
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
                 raise ConfigError(name, f"must be a positive integer, got {v!r}")
+        if not isinstance(self.ep, int) or isinstance(self.ep, bool) or self.ep < 1:
+            raise ConfigError("ep", f"must be a positive integer, got {self.ep!r}")
         if self.virtual_stages > 1 and self.schedule != "interleaved-1f1b":
             raise ConfigError("virtual_stages", f"{self.virtual_stages} needs schedule 'interleaved-1f1b'",
                               f"got schedule {self.schedule!r}; set virtual_stages to 1")
@@ -188,6 +215,10 @@ class Plan:
             where = f"groups[{i}]"
             if g.tp < 1 or len(g.ranks) % g.tp:
                 raise ConfigError(f"{where}.tp", f"{g.tp} does not divide the group's {len(g.ranks)} ranks")
+            if (len(g.ranks) // max(g.tp, 1)) % self.ep:
+                raise ConfigError("ep", f"{self.ep} does not divide the {len(g.ranks) // g.tp} data-parallel "
+                                  f"ranks of groups[{i}]", "experts are split over data-parallel ranks: "
+                                  "pick an ep that divides dp")
             if g.dp != self.groups[0].dp:
                 raise ConfigError(f"{where}.ranks", f"data-parallel degree {g.dp} differs from group 0's "
                                   f"{self.groups[0].dp}", "every pipeline rank needs the same dp")
@@ -222,6 +253,12 @@ class Plan:
             if prev_end != model.num_layers:
                 raise ConfigError(f"stages[{len(self.stages) - 1}].end", f"is {prev_end}, but the model has "
                                   f"{model.num_layers} units: every unit needs a stage")
+            if self.ep > 1 and not model.num_experts:
+                raise ConfigError("ep", f"is {self.ep}, but {model.name} has no routed experts",
+                                  "set ep to 1")
+            if model.num_experts % self.ep:
+                raise ConfigError("ep", f"{self.ep} does not divide the model's {model.num_experts} experts",
+                                  "pick an ep that divides the expert count")
             allowed = model.tp_degrees(max(g.tp for g in self.groups))
             for i, g in enumerate(self.groups):
                 if g.tp not in allowed:
@@ -237,7 +274,7 @@ class Plan:
             "dtype": self.dtype, "schedule": self.schedule, "virtual_stages": self.virtual_stages,
             "micro_batch": self.micro_batch, "num_micro_batches": self.num_micro_batches,
             "global_batch": self.global_batch, "sequence_parallel": self.sequence_parallel,
-            "zero": self.zero,
+            "zero": self.zero, "ep": self.ep,
             "groups": [{"ranks": list(g.ranks), "tp": g.tp} for g in self.groups],
             "stages": [{"layers": [s.start, s.end], "group": s.group, "recompute": s.recompute}
                        for s in self.stages],
@@ -248,7 +285,7 @@ class Plan:
         r = FieldReader(data, where)
         r.reject_unknown(("schema_version", "model", "seq_len", "dtype", "schedule", "virtual_stages",
                           "micro_batch", "num_micro_batches", "global_batch", "sequence_parallel",
-                          "zero", "groups", "stages", "estimate"))
+                          "zero", "groups", "stages", "estimate", "ep"))
         version = r.int("schema_version")
         if version > SCHEMA_VERSION:
             raise ConfigError(r.path("schema_version"), f"{version} is newer than this autoplan "
@@ -276,6 +313,7 @@ class Plan:
                    virtual_stages=r.int("virtual_stages", 1, minimum=1),
                    sequence_parallel=r.bool("sequence_parallel", False),
                    zero=r.int("zero", 0, minimum=0), dtype=r.str("dtype", "bf16", choices=("bf16", "fp16", "fp32")),
+                   ep=r.int("ep", 1, minimum=1),
                    model=r.str("model", ""), seq_len=r.int("seq_len", 0, minimum=0))
         plan.validate()
         if r.has("global_batch") and r.int("global_batch") != plan.global_batch:
