@@ -174,6 +174,8 @@ def _shard_like_tp(dst: nn.Module, src: nn.Module, plan: dict[str, str], rank: i
     """Fill a module built at per-rank shapes with rank ``rank``'s shard of ``src``."""
     for fqn, style in plan.items():
         d, s = dst.get_submodule(fqn), src.get_submodule(fqn)
+        if style == "head_shared":   # no weights; only its gradient is summed over ranks
+            continue
         if style == "experts":   # stacked [experts, out, in]: w1/w3 by output rows, w2 by input columns
             for name, dim in (("w1", 1), ("w3", 1), ("w2", 2)):
                 n = getattr(d, name).shape[dim]
@@ -350,7 +352,9 @@ def test_load_balancing_loss_gradient():
     torch.testing.assert_close(moe.gate.weight.grad, plain.gate.weight.grad, rtol=1e-5, atol=1e-7)
     moe.balance.records = []
     with torch.no_grad():
-        moe(x)
+        moe(x)          # evaluation: nothing recorded
+    assert moe.balance.value() is None
+    moe(x)
     assert moe.balance.value() == pytest.approx(float(lbl.detach()), rel=1e-6)
 
 

@@ -10,7 +10,9 @@ not pass through the latent.
 
 Tensor parallelism shards what is per head (q_b or q_proj, kv_b colwise; o rowwise); the
 down projections to the latents and their norms are small and stay replicated, as in
-Megatron-Core. Local head counts come from tensor shapes, as in the zoo's other attention.
+Megatron-Core, and the rotary key every head reads is marked ``head_shared`` (its gradient
+is summed over the tensor-parallel ranks). Local head counts come from tensor shapes, as in
+the zoo's other attention.
 """
 from __future__ import annotations
 
@@ -39,6 +41,9 @@ class LatentAttention(nn.Module):
         self.kv_a = nn.Linear(cfg.hidden, cfg.kv_lora_rank + self.rope, bias=False)
         self.kv_norm = nn.RMSNorm(cfg.kv_lora_rank, eps=cfg.norm_eps)
         self.kv_b = nn.Linear(cfg.kv_lora_rank, cfg.heads * (self.nope + self.v_dim), bias=False)
+        # The rotary key is one per token, read by every head: a marker module, so tensor
+        # parallelism can sum its gradient over the ranks that each hold some of the heads.
+        self.shared_key = nn.Identity()
         self.wo = nn.Linear(cfg.heads * self.v_dim, cfg.hidden, bias=False)
         # FlashAttention-2 kernels (PyTorch's fused SDPA among them) need one head width for
         # q, k and v: values are zero-padded to the query width and the padding is cut off
@@ -55,7 +60,7 @@ class LatentAttention(nn.Module):
         latent, k_rot = self.kv_a(x).split((self.kv_rank, self.rope), dim=-1)
         kv = self.kv_b(self.kv_norm(latent)).view(b, s, -1, self.nope + self.v_dim).transpose(1, 2)
         k_nope, v = kv.split((self.nope, self.v_dim), dim=-1)
-        q_rot, k_rot = apply_rope(q_rot, k_rot.view(b, 1, s, self.rope))
+        q_rot, k_rot = apply_rope(q_rot, self.shared_key(k_rot).view(b, 1, s, self.rope))
         heads = q.shape[1]
         q = torch.cat((q_nope, q_rot), dim=-1)
         k = torch.cat((k_nope, k_rot.expand(b, heads, s, self.rope)), dim=-1)
@@ -65,6 +70,6 @@ class LatentAttention(nn.Module):
         return self.wo(out.transpose(1, 2).reshape(b, s, -1))
 
     def tp_plan(self) -> TPPlan:
-        plan = {"kv_b": "colwise", "wo": "rowwise"}
+        plan = {"kv_b": "colwise", "wo": "rowwise", "shared_key": "head_shared"}
         plan["q_b" if hasattr(self, "q_b") else "q_proj"] = "colwise"
         return plan

@@ -131,10 +131,16 @@ class LoadBalancingLoss(nn.Module):
         self.records: list[tuple[torch.Tensor, FrequencyHandle]] | None = None
 
     def forward(self, out: torch.Tensor, probs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        if not torch.is_grad_enabled() or torch._C._current_graph_task_id() != -1:
+            # Nothing to balance without a backward (evaluation, a pipeline's shape
+            # inference). A forward re-run inside backward (activation recomputation) only
+            # rebuilds saved tensors; the gradient goes through the first run's graph, which
+            # has its frequencies already, so counting again would count this micro-batch twice.
+            return out
         handle = self.frequencies.register(counts)
         if self.records is not None and not probs.is_meta:
             self.records.append((probs.detach().mean(0), handle))
-        if self.coeff <= 0 or not probs.requires_grad:
+        if self.coeff <= 0:
             return out
         return _AttachBalanceGradient.apply(out, probs, handle, self)
 

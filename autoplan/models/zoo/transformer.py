@@ -33,7 +33,7 @@ NORM_EPS = 1e-5
 ROPE_THETA = 10000.0
 """RoPE base. Llama 3 uses 500000; the base changes no shape, FLOP or byte, so one value serves."""
 
-TP_STYLES = ("colwise", "rowwise", "norm", "embedding", "output", "experts")
+TP_STYLES = ("colwise", "rowwise", "norm", "embedding", "output", "experts", "head_shared")
 """The sharding styles a unit's ``tp_plan()`` may name (see the module docstring of zoo)."""
 
 TPPlan = dict[str, str]
