@@ -13,6 +13,7 @@ from search.placement import PlacementStats
 BREAKDOWN_WORDS = {
     "compute": "compute on the critical rank",
     "tp_communication": "tensor-parallel communication",
+    "ep_communication": "expert-parallel all-to-all",
     "bubble": "pipeline bubble (idle time waiting on other stages)",
     "dp_communication": "exposed data-parallel gradient communication",
     "optimizer": "optimizer step and ZeRO parameter gathers",
