@@ -135,6 +135,8 @@ class SearchResult:
         """The top plans as a plain-text table."""
         rows = []
         total = self.cluster.num_gpus
+        # Expert parallelism gets a column when a plan shown uses it.
+        show_ep = any(rp.plan.ep > 1 for rp in self.ranked[:top_k])
         for rp in self.ranked[:top_k]:
             p, e = rp.plan, rp.estimate
             dp, tp, pp = describe_degrees(p)
@@ -143,11 +145,13 @@ class SearchResult:
             gpus = f"{rp.gpus_used}" if rp.gpus_used == total else f"{rp.gpus_used}/{total}"
             lo, hi = e.time_interval_s
             band = f"{lo:.3g}-{hi:.3g}" if hi > lo else "-"
-            rows.append([str(rp.rank), gpus, dp, tp, pp, p.schedule, f"{p.micro_batch}x{p.num_micro_batches}",
+            rows.append([str(rp.rank), gpus, dp, tp, pp] + ([str(p.ep)] if show_ep else []) + [
+                         p.schedule, f"{p.micro_batch}x{p.num_micro_batches}",
                          str(p.zero), p.recompute + (" sp" if p.sequence_parallel else ""),
                          f"{e.iteration_time_s:.3f}", band, f"{e.tokens_per_s:,.0f}", f"{e.mfu:.1%}", mem,
                          e.status])
-        header = ["#", "GPUs", "dp", "tp", "pp", "schedule", "mb x n", "zero", "recompute",
+        header = ["#", "GPUs", "dp", "tp", "pp"] + (["ep"] if show_ep else []) + [
+                  "schedule", "mb x n", "zero", "recompute",
                   "iter s", "80% range", "tokens/s", "MFU", "peak GiB/device", "memory"]
         return _format_table(rows, header)
 

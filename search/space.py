@@ -25,6 +25,9 @@ class Constraints:
     """Pipeline depths allowed (None: 1 up to the model's units)."""
     dp: tuple[int, ...] | None = None
     """Data-parallel degrees allowed (None: every divisor of the global batch that fits)."""
+    ep: tuple[int, ...] | None = None
+    """Expert-parallel degrees allowed (None: every degree dividing dp and the model's experts;
+    a dense model always gets 1)."""
     micro_batch: tuple[int, ...] | None = None
     """Micro-batch sizes allowed (None: divisors of the per-replica batch up to max_micro_batch)."""
     max_micro_batch: int = 16
@@ -94,7 +97,7 @@ class Constraints:
                 raise ConfigError(k, "is not a search constraint", hint or f"known: {', '.join(sorted(known))}")
         out = {}
         for k, v in kwargs.items():
-            if k in ("tp", "pp", "dp", "micro_batch", "virtual_stages"):
+            if k in ("tp", "pp", "dp", "ep", "micro_batch", "virtual_stages"):
                 if v is None:
                     out[k] = None
                     continue

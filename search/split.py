@@ -111,8 +111,9 @@ class Splitter:
         t = self.tables.table(kind, st.micro_batch, st.sequence_parallel)
         dyn = self.tables.dynamic_factor
         params = t.cum_params[None, :] - t.cum_params[:, None]
+        sharded = t.cum_zero_params[None, :] - t.cum_zero_params[:, None]
         cast = t.cum_cast_params[None, :] - t.cum_cast_params[:, None]
-        states = self.tables.state_bytes(params, t.max_params, group.dp, st.zero)
+        states = self.tables.state_bytes(params, t.max_params, group.dp, st.zero, sharded)
         base = states[None] + dyn * (t.max_transient + self.tables.cast_bytes(cast, group.dp, st.zero)[None])
         act = dyn * (t.cum_activation[:, None, :] - t.cum_activation[:, :, None])
         self._mem[key] = (base, act)
@@ -183,7 +184,7 @@ class Splitter:
             cap = self.tables.capacity(sk.kinds[g].pool)
             n_inflight = counts[g][chunk]
             t_band = band(self._time_mats(sk, g, st), INF)
-            cap -= self.tables.fixed_bytes(sk.kinds[g].pool, sk.groups[g], P)
+            cap -= self.tables.fixed_bytes(sk.kinds[g].pool, sk.groups[g], P, sk.ep)
             if v == 1:
                 budget = cap
                 base, act = self._mem_mats(sk, g, st)
@@ -244,8 +245,9 @@ class Splitter:
         if hit is None:
             t = self.tables.table(kind, st.micro_batch, st.sequence_parallel)
             params = t.cum_params[None, :] - t.cum_params[:, None]
+            sharded = t.cum_zero_params[None, :] - t.cum_zero_params[:, None]
             cast = t.cum_cast_params[None, :] - t.cum_cast_params[:, None]
-            states = self.tables.state_bytes(params, t.max_params, group.dp, st.zero) \
+            states = self.tables.state_bytes(params, t.max_params, group.dp, st.zero, sharded) \
                 + self.tables.dynamic_factor * self.tables.cast_bytes(cast, group.dp, st.zero)
             act = self.tables.dynamic_factor * (t.cum_activation[:, None, :] - t.cum_activation[:, :, None])
             hit = self._mem[key] = (np.broadcast_to(states, act.shape), act)
@@ -322,7 +324,7 @@ class Splitter:
         for j, (a, b) in enumerate(bounds):
             g, chunk = j % P, j // P
             cap = self.tables.capacity(sk.kinds[g].pool) \
-                - self.tables.fixed_bytes(sk.kinds[g].pool, sk.groups[g], P)
+                - self.tables.fixed_bytes(sk.kinds[g].pool, sk.groups[g], P, sk.ep)
             budget = (cap - self.tables.dynamic_factor * self._transient_reserve(sk, g, st, qs)) \
                 * shares[g][chunk]
             base, act = self._states_mats(sk, g, st)

@@ -31,6 +31,7 @@ def register(sub) -> None:
     g.add_argument("--tp", type=_ints, default=None, help="tensor-parallel degrees, e.g. 4,8")
     g.add_argument("--pp", type=_ints, default=None, help="pipeline depths")
     g.add_argument("--dp", type=_ints, default=None, help="data-parallel degrees")
+    g.add_argument("--ep", type=_ints, default=None, help="expert-parallel degrees (mixture-of-experts models)")
     g.add_argument("--micro-batch", type=_ints, default=None, help="micro-batch sizes")
     g.add_argument("--schedules", type=_words, default=None,
                    help="gpipe,1f1b,interleaved-1f1b,zero-bubble (default: all)")
@@ -61,7 +62,7 @@ def run(args) -> int:
     options = cost_model_options(args)
     model = load_model(args)
     constraints = {"progress": not args.no_progress and not args.json, "options": options}
-    for name in ("tp", "pp", "dp", "micro_batch", "schedules", "recompute", "zero"):
+    for name in ("tp", "pp", "dp", "ep", "micro_batch", "schedules", "recompute", "zero"):
         value = getattr(args, name)
         if value is not None:
             constraints[name] = value
