@@ -89,6 +89,8 @@ def parser() -> argparse.ArgumentParser:
             kw["type"] = types[spec.get("type", "str")]
             if "choices" in spec:
                 kw["choices"] = spec["choices"]
+            if "nargs" in spec:
+                kw["nargs"] = spec["nargs"]
         else:
             kw["action"] = spec["action"]
         p.add_argument(flag, **kw)
