@@ -158,6 +158,31 @@ def _reshard(rank: int, ckpt: str) -> dict:
     return result
 
 
+# Expert-parallel checkpoints load under plans without expert parallelism (same micro-batches,
+# so the per-micro-batch routing and load-balancing loss are the same computation).
+MOE_SAVE_PLAN = make_plan(dp=2, m=2, ep=2, zero=1)
+MOE_LOAD_PLANS = {"moe-dp2-ep1-replicate": make_plan(dp=2, m=2), "moe-tp2": make_plan(tp=2, m=4)}
+
+
+def _moe_reshard(rank: int, ckpt: str) -> dict:
+    from autoplan.runtime.trainer import Trainer, TrainOptions
+
+    opts = TrainOptions(steps=RESHARD_STEPS, optimizer="adamw", lr=3e-3, eps=1e-6, seed=5)
+    base = Trainer(MOE_SAVE_PLAN, "moe-tiny", opts, log=None)
+    losses = [base.train_step().loss for _ in range(2)]
+    base.save(ckpt)
+    saved = base.parameters_full()
+    losses += [base.train_step().loss for _ in range(RESHARD_STEPS - 2)]
+    result: dict = {"uninterrupted": losses}
+    for name, plan in MOE_LOAD_PLANS.items():
+        t = Trainer(plan, "moe-tiny", dataclasses.replace(opts, checkpoint_dir=ckpt), log=None)
+        result[f"{name}.resumed_at"] = t.maybe_resume()
+        loaded = t.parameters_full()
+        result[f"{name}.params_equal"] = all(torch.equal(loaded[k], saved[k]) for k in loaded)
+        result[name] = [t.train_step().loss for _ in range(RESHARD_STEPS - 2)]
+    return result
+
+
 # --------------------------- the uninterrupted twin of the CLI's killed run (2 ranks)
 CLI_MODEL = "gpt-tiny"
 CLI_PLAN = make_plan(pp=2, bounds=((0, 2), (2, 4)), m=2, schedule="gpipe")
@@ -175,7 +200,7 @@ def _cli_twin(rank: int, out: str) -> dict:
     return {"losses": [t.train_step().loss for _ in range(CLI_STEPS)]}
 
 
-SCENARIOS = {2: ("reshard", "cli-twin")}
+SCENARIOS = {2: ("reshard", "cli-twin", "moe-reshard")}
 
 
 def _worker(rank: int, world: int, port: int, cases: dict, scenarios: tuple, out: str) -> None:
@@ -183,7 +208,8 @@ def _worker(rank: int, world: int, port: int, cases: dict, scenarios: tuple, out
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     jobs = [(n, lambda c=c: _equivalence(rank, c[0], Plan.from_dict(c[1]), *c[2:])) for n, c in cases.items()]
-    jobs += [("reshard", lambda: _reshard(rank, str(Path(out) / "ckpt"))), ("cli-twin", lambda: _cli_twin(rank, out))]
+    jobs += [("reshard", lambda: _reshard(rank, str(Path(out) / "ckpt"))), ("cli-twin", lambda: _cli_twin(rank, out)),
+             ("moe-reshard", lambda: _moe_reshard(rank, str(Path(out) / "moe-ckpt")))]
     for name, job in jobs:
         if name not in cases and name not in scenarios:
             continue
@@ -341,6 +367,16 @@ def test_global_load_balancing_is_the_whole_batch_loss_and_micro_is_not():
     assert glob == pytest.approx(whole, rel=1e-6)
     assert micro == pytest.approx(per_micro, rel=1e-6)
     assert all(m > w + 1e-3 for m, w in zip(micro, whole))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(MOE_LOAD_PLANS), ids=list(MOE_LOAD_PLANS))
+def test_expert_parallel_checkpoint_loads_under_another_plan(name):
+    for r in group(2)["moe-reshard"]:
+        assert "error" not in r, r.get("error")
+        assert r[f"{name}.resumed_at"] == 2
+        assert r[f"{name}.params_equal"], "weights after loading differ from the saved ones"
+        assert r[name] == pytest.approx(r["uninterrupted"][2:], abs=2e-5)
 
 
 @pytest.mark.slow
