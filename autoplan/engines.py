@@ -290,6 +290,12 @@ def _expert_violation(plan: Plan, e: Engine, model: "ModelSpec | None") -> Confi
         # arguments.py:1036-1037: --use-torch-fsdp2 with expert parallelism is refused.
         return ConfigError("zero", f"{e.title}'s ZeRO-3 (torch FSDP2) does not run with expert parallelism",
                            "nearest: zero=1 (distributed optimizer)")
+    if e.name == "megatron" and plan.ep > 1 and plan.tp > 1 and not plan.sequence_parallel:
+        # megatron/core/model_parallel_config.py:560-564: "When using expert parallelism and tensor
+        # parallelism for training, sequence parallelism must be used" (its MoE token dispatcher
+        # takes the sequence-split activations).
+        return ConfigError("sequence_parallel", f"{e.title} needs sequence parallelism with expert and tensor "
+                           "parallelism together", "nearest: the same plan with sequence_parallel=true")
     if e.name == "torchtitan" and plan.ep > 1:
         # torchtitan draws EP ranks from FSDP's shard dimension and from TP (efsdp = dp_shard
         # x cp x tp / ep, experts not TP-sharded): autoplan's layout only with tp = 1 and sharding.

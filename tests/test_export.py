@@ -540,6 +540,7 @@ def test_deepspeed_moe_settings():
 
 MOE_REFUSALS = {
     "megatron-fsdp2-with-ep": ("megatron", lambda: moe_plan(ep=2, zero=3), "moe-tiny", "zero"),
+    "megatron-ep-tp-without-sp": ("megatron", lambda: moe_plan(tp=2, ep=2), "moe-tiny", "sequence_parallel"),
     "torchtitan-ep-with-tp": ("torchtitan", lambda: moe_plan(tp=2, ep=2, zero=3, sequence_parallel=True),
                               "moe-tiny", "ep"),
     "torchtitan-ep-replicated": ("torchtitan", lambda: moe_plan(ep=2, zero=0), "moe-tiny", "zero"),
