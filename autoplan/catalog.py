@@ -18,6 +18,14 @@ from autoplan.units import GB, GiB, TFLOPS, US
 
 DTYPES = ("fp32", "tf32", "fp16", "bf16", "fp8")
 
+# Bounds on spec-sheet figures: finite, and far above any device or link (a value past
+# them is a typo or garbage, and would overflow once converted to SI units).
+MAX_BANDWIDTH_GBps = 1e12
+MAX_LATENCY_us = 1e9
+MAX_MEMORY_GiB = 1e9
+MAX_PEAK_TFLOPS = 1e9
+MAX_COMPUTE_UNITS = 10_000_000
+
 
 @dataclass(frozen=True)
 class Link:
@@ -33,8 +41,8 @@ class Link:
     @classmethod
     def read(cls, r: FieldReader) -> "Link":
         r.reject_unknown(("bandwidth_GBps", "latency_us", "name"))
-        return cls(bandwidth=r.float("bandwidth_GBps", positive=True) * GB,
-                   latency=r.float("latency_us", 5.0, minimum=0.0) * US,
+        return cls(bandwidth=r.float("bandwidth_GBps", positive=True, maximum=MAX_BANDWIDTH_GBps) * GB,
+                   latency=r.float("latency_us", 5.0, minimum=0.0, maximum=MAX_LATENCY_us) * US,
                    name=r.str("name", ""))
 
     def to_dict(self) -> dict:
@@ -82,20 +90,23 @@ class DeviceSpec:
                           "intra_node_link", "source"))
         if r.has("memory_GiB") == r.has("memory_GB"):
             raise ConfigError(r.path("memory_GiB"), "give exactly one of memory_GiB or memory_GB")
-        memory = (r.float("memory_GiB", positive=True) * GiB if r.has("memory_GiB")
-                  else r.float("memory_GB", positive=True) * GB)
+        memory = (r.float("memory_GiB", positive=True, maximum=MAX_MEMORY_GiB) * GiB if r.has("memory_GiB")
+                  else r.float("memory_GB", positive=True, maximum=MAX_MEMORY_GiB) * GB)
         peaks_r = r.sub("peak_TFLOPS")
         peaks_r.reject_unknown(DTYPES)
-        peaks = {k: peaks_r.float(k, positive=True) * TFLOPS for k in DTYPES if peaks_r.has(k)}
+        peaks = {k: peaks_r.float(k, positive=True, maximum=MAX_PEAK_TFLOPS) * TFLOPS
+                 for k in DTYPES if peaks_r.has(k)}
         if not peaks:
             raise ConfigError(peaks_r.where, "needs at least one dtype", "e.g. {\"bf16\": 312}")
         link_r = r.sub("intra_node_link", None)
         link = Link.read(link_r) if link_r else Link(bandwidth=16 * GB, latency=10 * US, name="PCIe (assumed)")
         return cls(name=r.str("name"), memory_bytes=memory, peak_flops=peaks,
-                   memory_bandwidth=r.float("memory_bandwidth_GBps", positive=True) * GB,
-                   intra_node_link=link, compute_units=r.int("compute_units", 0, minimum=0),
-                   vendor=r.str("vendor", ""), source=r.str("source", ""),
-                   aliases=tuple(r.list("aliases", [])))
+                   memory_bandwidth=r.float("memory_bandwidth_GBps", positive=True,
+                                            maximum=MAX_BANDWIDTH_GBps) * GB,
+                   intra_node_link=link,
+                   compute_units=r.int("compute_units", 0, minimum=0, maximum=MAX_COMPUTE_UNITS),
+                   vendor=r.str("vendor", ""), source=r.str("source", "", multiline=True),
+                   aliases=tuple(r.strs("aliases", [], max_len=64)))
 
     def to_dict(self) -> dict:
         return {"name": self.name, "memory_GiB": self.memory_bytes / GiB,

@@ -6,14 +6,16 @@ order ``torchrun`` assigns them when the groups' hosts are listed in that order.
 from __future__ import annotations
 
 import json
+import warnings
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 from typing import Iterable, Sequence
 
-from autoplan.catalog import DeviceSpec, Link, get_device
+from autoplan.catalog import MAX_BANDWIDTH_GBps, MAX_LATENCY_us, DeviceSpec, Link, get_device
 from autoplan.errors import ConfigError
 from autoplan.fields import FieldReader, load_json
+from autoplan.limits import MAX_GPUS, MAX_GPUS_PER_NODE, MAX_NODE_GROUPS
 from autoplan.units import GB, GiB, TFLOPS, US
 
 # When a cluster gives no inter-node link: one 100 Gbit/s NIC per GPU, a common
@@ -70,9 +72,17 @@ class Cluster:
     def __post_init__(self):
         if not self.groups:
             raise ConfigError("node_groups", "a cluster needs at least one node group")
+        if len(self.groups) > MAX_NODE_GROUPS:
+            raise ConfigError("node_groups", f"{len(self.groups)} node groups, at most {MAX_NODE_GROUPS} allowed",
+                              "put identical nodes in one group (its 'nodes' count)")
         names = [g.name for g in self.groups]
         if len(set(names)) != len(names):
-            raise ConfigError("node_groups", f"group names must be unique, got {names}")
+            dup = next(n for n in names if names.count(n) > 1)
+            raise ConfigError("node_groups", f"group names must be unique, {dup!r} is used twice")
+        total = sum(g.num_gpus for g in self.groups)
+        if total > MAX_GPUS:
+            raise ConfigError("node_groups", f"the cluster has {total:,} GPUs, at most {MAX_GPUS:,} are supported",
+                              "plan for a part of the cluster (plans rarely gain past a few thousand GPUs)")
 
     # ------------------------------------------------------------------ build
     @classmethod
@@ -87,6 +97,7 @@ class Cluster:
         r.reject_unknown(("name", "description", "node_groups", "inter_node", "schema_version"))
         inter_r = r.sub("inter_node", None)
         groups = []
+        r.list("node_groups", nonempty=True, max_len=MAX_NODE_GROUPS)
         for g in r.items("node_groups", nonempty=True):
             g.reject_unknown(("name", "device", "nodes", "gpus_per_node", "intra_node", "inter_node"))
             raw_device = g.raw("device")
@@ -99,14 +110,14 @@ class Cluster:
             groups.append(NodeGroup(
                 name=g.str("name", f"group{len(groups)}"),
                 device=device,
-                nodes=g.int("nodes", 1, minimum=1),
-                gpus_per_node=g.int("gpus_per_node", minimum=1),
+                nodes=g.int("nodes", 1, minimum=1, maximum=MAX_GPUS),
+                gpus_per_node=g.int("gpus_per_node", minimum=1, maximum=MAX_GPUS_PER_NODE),
                 intra_node=Link.read(intra_r) if intra_r else device.intra_node_link,
                 inter_node=Link.read(nic_r) if nic_r else None,
             ))
         return cls(groups=tuple(groups),
                    inter_node=Link.read(inter_r) if inter_r else DEFAULT_INTER_NODE,
-                   name=r.str("name", Path(where).stem), description=r.str("description", ""))
+                   name=r.str("name", Path(where).stem), description=r.str("description", "", multiline=True))
 
     @classmethod
     def homogeneous(cls, device: str | DeviceSpec, nodes: int, gpus_per_node: int,
@@ -114,11 +125,21 @@ class Cluster:
                     intra_node_latency_us: float | None = None, inter_node_latency_us: float | None = None,
                     name: str | None = None) -> "Cluster":
         """``nodes`` identical nodes of ``gpus_per_node`` devices. Bandwidths are per GPU,
-        per direction, in GB/s; None takes the device's catalog link / the default NIC."""
+        per direction, in GB/s; None takes the device's catalog link for ``intra_node_GBps``
+        and, for ``inter_node_GBps``, an *assumed* 100 Gbit/s NIC per GPU
+        (:data:`DEFAULT_INTER_NODE`): give the real figure for a multi-node cluster, as
+        the network often decides the best plan. The assumption is warned about and listed
+        in :meth:`assumptions`."""
+        from autoplan.fields import check_float
         dev = get_device(device) if isinstance(device, str) else device
-        for field_name, v in (("nodes", nodes), ("gpus_per_node", gpus_per_node)):
-            if not isinstance(v, int) or v < 1:
-                raise ConfigError(field_name, f"must be a positive integer, got {v!r}")
+        for field_name, v, top in (("nodes", nodes, MAX_GPUS), ("gpus_per_node", gpus_per_node, MAX_GPUS_PER_NODE)):
+            if not isinstance(v, int) or isinstance(v, bool) or not 1 <= v <= top:
+                raise ConfigError(field_name, f"must be an integer in 1..{top}, got {v!r}")
+        for field_name, v in (("intra_node_GBps", intra_node_GBps), ("inter_node_GBps", inter_node_GBps)):
+            check_float(v, field_name, positive=True, maximum=MAX_BANDWIDTH_GBps)
+        for field_name, v in (("intra_node_latency_us", intra_node_latency_us),
+                              ("inter_node_latency_us", inter_node_latency_us)):
+            check_float(v, field_name, minimum=0.0, maximum=MAX_LATENCY_us)
         intra = dev.intra_node_link
         if intra_node_GBps is not None or intra_node_latency_us is not None:
             intra = Link(bandwidth=(intra_node_GBps * GB if intra_node_GBps else intra.bandwidth),
@@ -130,7 +151,20 @@ class Cluster:
                          latency=(inter_node_latency_us * US if inter_node_latency_us is not None else inter.latency),
                          name="inter-node")
         group = NodeGroup(name=dev.name, device=dev, nodes=nodes, gpus_per_node=gpus_per_node, intra_node=intra)
-        return cls(groups=(group,), inter_node=inter, name=name or f"{nodes}x{gpus_per_node}-{dev.name}")
+        cluster = cls(groups=(group,), inter_node=inter, name=name or f"{nodes}x{gpus_per_node}-{dev.name}")
+        for note in cluster.assumptions():
+            warnings.warn(f"Cluster.homogeneous: {note}", stacklevel=2)
+        return cluster
+
+    def assumptions(self) -> list[str]:
+        """Figures this cluster takes on trust rather than from its description (today: the
+        network of a multi-node cluster that names none), for reports to repeat."""
+        out = []
+        if self.num_nodes > 1 and any(g.inter_node is None for g in self.groups) and \
+                self.inter_node is DEFAULT_INTER_NODE:
+            out.append(f"no inter-node link given: assuming {DEFAULT_INTER_NODE.bandwidth / GB:g} GB/s "
+                       "(100 Gbit/s) per GPU and 10 us latency; give inter_node for real figures")
+        return out
 
     def to_dict(self) -> dict:
         out = {"name": self.name, "inter_node": self.inter_node.to_dict(), "node_groups": []}
@@ -145,7 +179,8 @@ class Cluster:
         return out
 
     def save(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+        from autoplan.files import write_text
+        write_text(path, json.dumps(self.to_dict(), indent=2) + "\n")
 
     # ---------------------------------------------------------------- queries
     @cached_property
@@ -226,4 +261,5 @@ class Cluster:
                 f"  {g.name}: {g.nodes} x {g.gpus_per_node} {d.name}  {d.memory_bytes / GiB:.0f} GiB, "
                 f"{d.peak_flops[half] / TFLOPS:.0f} TFLOP/s {half}, {d.memory_bandwidth / GB:.0f} GB/s HBM; "
                 f"intra-node {g.intra_node.bandwidth / GB:g} GB/s, NIC {nic.bandwidth / GB:g} GB/s per GPU")
+        lines += [f"  note: {a}" for a in self.assumptions()]
         return "\n".join(lines)

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Iterable
 
 from autoplan.engines import (ENGINES, MEGATRON_COMMIT, all_bf16, blocks_per_stage, check, get_engine,
                               megatron_default_split, preset_name)
-from autoplan.errors import ConfigError
+from autoplan.errors import ConfigError, one_line
 from autoplan.plan import Plan
 
 if TYPE_CHECKING:
@@ -173,8 +173,9 @@ def _seq_len(plan: Plan, model: "ModelSpec | None") -> int:
 
 
 def _comment(text: str) -> str:
-    """``text`` as one comment line: line breaks cannot end the comment."""
-    return " ".join(str(text).split())
+    """``text`` as one comment line: names from the plan or the model's config may hold
+    line breaks, which must not start a flag or a section of their own."""
+    return one_line(text)
 
 
 def _counts(blocks: Iterable[int]) -> str:

@@ -17,6 +17,8 @@ from typing import TYPE_CHECKING, Sequence
 
 from autoplan.errors import ConfigError
 from autoplan.fields import FieldReader, load_json
+from autoplan.limits import (MAX_GLOBAL_BATCH, MAX_GPUS, MAX_MICRO_BATCH, MAX_MICRO_BATCHES, MAX_SCHEDULE_SLOTS,
+                             MAX_SEQ_LEN, MAX_UNITS, MAX_VIRTUAL_STAGES)
 from autoplan.models.spec import RECOMPUTE_MODES
 
 if TYPE_CHECKING:
@@ -201,18 +203,31 @@ class Plan:
             raise ConfigError("schedule", f"{self.schedule!r} is not one of {list(SCHEDULES)}")
         if self.zero not in (0, 1, 2, 3):
             raise ConfigError("zero", f"must be 0, 1, 2 or 3, got {self.zero!r}")
-        for name in ("micro_batch", "num_micro_batches", "virtual_stages"):
+        for name, top in (("micro_batch", MAX_MICRO_BATCH), ("num_micro_batches", MAX_MICRO_BATCHES),
+                          ("virtual_stages", MAX_VIRTUAL_STAGES)):
             v = getattr(self, name)
-            if not isinstance(v, int) or v < 1:
-                raise ConfigError(name, f"must be a positive integer, got {v!r}")
-        if not isinstance(self.ep, int) or isinstance(self.ep, bool) or self.ep < 1:
-            raise ConfigError("ep", f"must be a positive integer, got {self.ep!r}")
+            if not isinstance(v, int) or isinstance(v, bool) or not 1 <= v <= top:
+                raise ConfigError(name, f"must be an integer in 1..{top:,}, got {v!r}")
+        if self.num_gpus > MAX_GPUS:
+            raise ConfigError("groups", f"the plan has {self.num_gpus:,} ranks, at most {MAX_GPUS:,} are supported")
+        if self.global_batch > MAX_GLOBAL_BATCH:
+            raise ConfigError("global_batch", f"{self.global_batch:,} samples per iteration, at most "
+                              f"{MAX_GLOBAL_BATCH:,} are supported")
+        slots = self.pp * self.virtual_stages * self.num_micro_batches
+        if slots > MAX_SCHEDULE_SLOTS:
+            raise ConfigError("num_micro_batches", f"pp x virtual_stages x num_micro_batches = {slots:,} pipeline "
+                              f"slots, at most {MAX_SCHEDULE_SLOTS:,} are supported",
+                              "use larger micro-batches or fewer pipeline stages")
+        if not isinstance(self.ep, int) or isinstance(self.ep, bool) or not 1 <= self.ep <= MAX_GPUS:
+            raise ConfigError("ep", f"must be an integer in 1..{MAX_GPUS:,}, got {self.ep!r}")
         if self.virtual_stages > 1 and self.schedule != "interleaved-1f1b":
             raise ConfigError("virtual_stages", f"{self.virtual_stages} needs schedule 'interleaved-1f1b'",
                               f"got schedule {self.schedule!r}; set virtual_stages to 1")
         seen: set[int] = set()
         for i, g in enumerate(self.groups):
             where = f"groups[{i}]"
+            if not g.ranks:
+                raise ConfigError(f"{where}.ranks", "a device group needs at least one rank")
             if g.tp < 1 or len(g.ranks) % g.tp:
                 raise ConfigError(f"{where}.tp", f"{g.tp} does not divide the group's {len(g.ranks)} ranks")
             if (len(g.ranks) // max(g.tp, 1)) % self.ep:
@@ -286,46 +301,49 @@ class Plan:
         r.reject_unknown(("schema_version", "model", "seq_len", "dtype", "schedule", "virtual_stages",
                           "micro_batch", "num_micro_batches", "global_batch", "sequence_parallel",
                           "zero", "groups", "stages", "estimate", "ep"))
-        version = r.int("schema_version")
+        version = r.int("schema_version", minimum=1)
         if version > SCHEMA_VERSION:
             raise ConfigError(r.path("schema_version"), f"{version} is newer than this autoplan "
                               f"understands ({SCHEMA_VERSION})", "upgrade autoplan")
         groups = []
+        r.list("groups", nonempty=True, max_len=MAX_GPUS)
         for g in r.items("groups", nonempty=True):
             g.reject_unknown(("ranks", "tp", "device"))
-            ranks = g.list("ranks", nonempty=True)
-            for j, x in enumerate(ranks):
-                if not isinstance(x, int) or isinstance(x, bool):
-                    raise ConfigError(f"{g.path('ranks')}[{j}]", f"must be an integer rank, got {x!r}")
-            groups.append(DeviceGroup(ranks=tuple(ranks), tp=g.int("tp", minimum=1)))
+            ranks = g.ints("ranks", nonempty=True, minimum=0, maximum=MAX_GPUS - 1, max_len=MAX_GPUS)
+            groups.append(DeviceGroup(ranks=tuple(ranks), tp=g.int("tp", minimum=1, maximum=MAX_GPUS)))
         stages = []
+        r.list("stages", nonempty=True, max_len=MAX_UNITS * MAX_VIRTUAL_STAGES)
         for s in r.items("stages", nonempty=True):
             s.reject_unknown(("layers", "group", "recompute"))
-            span = s.list("layers")
-            if len(span) != 2 or not all(isinstance(x, int) and not isinstance(x, bool) for x in span):
-                raise ConfigError(s.path("layers"), f"must be [start, end] integers, got {span!r}")
-            stages.append(Stage(start=span[0], end=span[1], group=s.int("group", minimum=0),
+            span = s.ints("layers", minimum=0, maximum=MAX_UNITS)
+            if len(span) != 2:
+                raise ConfigError(s.path("layers"), f"must be [start, end], got {len(span)} numbers")
+            stages.append(Stage(start=span[0], end=span[1], group=s.int("group", minimum=0, maximum=MAX_GPUS),
                                 recompute=s.str("recompute", "none", choices=RECOMPUTE_MODES)))
         plan = cls(groups=tuple(groups), stages=tuple(stages),
-                   micro_batch=r.int("micro_batch", minimum=1),
-                   num_micro_batches=r.int("num_micro_batches", minimum=1),
+                   micro_batch=r.int("micro_batch", minimum=1, maximum=MAX_MICRO_BATCH),
+                   num_micro_batches=r.int("num_micro_batches", minimum=1, maximum=MAX_MICRO_BATCHES),
                    schedule=r.str("schedule", "1f1b", choices=SCHEDULES),
-                   virtual_stages=r.int("virtual_stages", 1, minimum=1),
+                   virtual_stages=r.int("virtual_stages", 1, minimum=1, maximum=MAX_VIRTUAL_STAGES),
                    sequence_parallel=r.bool("sequence_parallel", False),
-                   zero=r.int("zero", 0, minimum=0), dtype=r.str("dtype", "bf16", choices=("bf16", "fp16", "fp32")),
-                   ep=r.int("ep", 1, minimum=1),
-                   model=r.str("model", ""), seq_len=r.int("seq_len", 0, minimum=0))
+                   zero=r.int("zero", 0, minimum=0, maximum=3),
+                   dtype=r.str("dtype", "bf16", choices=("bf16", "fp16", "fp32")),
+                   ep=r.int("ep", 1, minimum=1, maximum=MAX_GPUS),
+                   model=r.str("model", ""), seq_len=r.int("seq_len", 0, minimum=0, maximum=MAX_SEQ_LEN))
         plan.validate()
-        if r.has("global_batch") and r.int("global_batch") != plan.global_batch:
-            raise ConfigError(r.path("global_batch"), f"is {r.int('global_batch')}, but micro_batch * "
-                              f"num_micro_batches * dp = {plan.global_batch}")
+        if r.has("global_batch"):
+            stated = r.int("global_batch", minimum=1, maximum=MAX_GLOBAL_BATCH)
+            if stated != plan.global_batch:
+                raise ConfigError(r.path("global_batch"), f"is {stated}, but micro_batch * "
+                                  f"num_micro_batches * dp = {plan.global_batch}")
         return plan
 
     def save(self, path: str | Path, extra: dict | None = None) -> None:
+        from autoplan.files import write_text
         d = self.to_dict()
         if extra:
             d.update(extra)
-        Path(path).write_text(json.dumps(d, indent=2) + "\n")
+        write_text(path, json.dumps(d, indent=2) + "\n")
 
     @classmethod
     def load(cls, path: str | Path) -> "Plan":

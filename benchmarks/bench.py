@@ -32,6 +32,8 @@ from typing import Any, Callable, Sequence
 from autoplan.cluster import Cluster
 from autoplan.errors import AutoplanError, ConfigError, NoPlanFitsError
 from autoplan.fields import FieldReader, load_json
+from autoplan.files import safe_name, write_text
+from autoplan.limits import MAX_GLOBAL_BATCH, MAX_TOP_K
 from autoplan.plan import Plan
 from autoplan.units import GiB
 
@@ -127,14 +129,22 @@ class Scenario:
             source = "homogeneous"
         overrides = dict(r.sub("overrides", {}).data) if r.has("overrides") else {}
         search = dict(r.sub("search", {}).data) if r.has("search") else {}
-        for key in ("global_batch", "top_k", "progress"):
+        for key in ("global_batch", "top_k", "progress", "profiles", "options"):
             if key in search:
                 raise ConfigError(f"{r.path('search')}.{key}", "is set by the benchmark itself",
-                                  "use the scenario's own field instead" if key != "progress" else "remove it")
-        return cls(name=r.str("name"), model=r.str("model"), cluster=cluster, cluster_source=source,
-                   global_batch=r.int("global_batch", minimum=1), overrides=overrides,
-                   top_k=r.int("top_k", 3, minimum=1), quick=r.bool("quick", False),
-                   description=r.str("description", ""), search_options=search)
+                                  "use the scenario's own field instead" if key in ("global_batch", "top_k")
+                                  else "remove it")
+        from search.space import Constraints
+        try:
+            Constraints.build(**search)
+        except ConfigError as e:
+            raise ConfigError(f"{r.path('search')}.{e.field}", e.problem, e.fix) from None
+        # The name becomes the stem of figure files: one safe path component only.
+        name = safe_name(r.str("name"), r.path("name"))
+        return cls(name=name, model=r.str("model"), cluster=cluster, cluster_source=source,
+                   global_batch=r.int("global_batch", minimum=1, maximum=MAX_GLOBAL_BATCH), overrides=overrides,
+                   top_k=r.int("top_k", 3, minimum=1, maximum=MAX_TOP_K), quick=r.bool("quick", False),
+                   description=r.str("description", "", multiline=True), search_options=search)
 
     @classmethod
     def load(cls, path: str | Path) -> "Scenario":
@@ -782,7 +792,7 @@ def write_report(results: Sequence[ScenarioResult], out_dir: str | Path, measure
         lines += _scenario_section(res, out_dir)
     lines += _measured_section(measured, out_dir)
     path = out_dir / "report.md"
-    path.write_text("\n".join(lines).rstrip() + "\n")
+    write_text(path, "\n".join(lines).rstrip() + "\n")
     return path
 
 

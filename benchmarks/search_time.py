@@ -1,6 +1,6 @@
-"""Search time against cluster size.
+"""Search time against cluster size, side by side with an earlier release's search.
 
-Sweeps clusters from 8 to 4096 GPUs for GPT-3 175B (Brown et al. 2020; global batch
+Sweeps clusters from 8 to 16,384 GPUs for GPT-3 175B (Brown et al. 2020; global batch
 1536, as in Narayanan et al. SC21, Table 1) on two families of clusters:
 
 * homogeneous: DGX-class nodes of 8 A100-80GB, 25 GB/s per GPU between nodes;
@@ -9,43 +9,71 @@ Sweeps clusters from 8 to 4096 GPUs for GPT-3 175B (Brown et al. 2020; global ba
   nodes, each group with the links that file gives it), scaled by node count; below 32
   GPUs the three groups are single smaller nodes.
 
-Prints one line per search and writes ``search_time.md`` (table) and ``search_time.png``
-(log-log plot) to ``--out`` (default ``benchmarks/results``). The model is built once
-(measured on the meta device); its time is reported separately from the searches.
+Every search runs in its own process, once with this checkout's search and once with the
+baseline's (``--baseline``, a git revision checked out into a temporary worktree), one
+after the other so they never compete for the processor. Each process builds the model
+first (not timed) and then times the search alone: CPU seconds (``time.process_time``,
+all threads of the process) and wall seconds. Prints one line per search and writes
+``search_time.md`` (table with both versions and their ratio) and ``search_time.png``
+(log-log plot of CPU time) to ``--out`` (default ``benchmarks/results``); the raw rows go
+to ``search_time.jsonl`` as they come, so ``--report-only`` can redraw an interrupted run.
 
-    python benchmarks/search_time.py                 # full sweep (a few minutes)
-    python benchmarks/search_time.py --sizes 8,64,512 --series homogeneous
+    python benchmarks/search_time.py                       # full sweep, both versions
+    python benchmarks/search_time.py --sizes 8,64,1024 --series homogeneous --no-baseline
 """
 from __future__ import annotations
 
 import argparse
 import copy
 import json
+import os
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from autoplan import Cluster, models  # noqa: E402
-from autoplan.errors import NoPlanFitsError  # noqa: E402
-from search import search  # noqa: E402
-
-SIZES = (8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
+SIZES = (8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 MIXED_FILE = ROOT / "examples" / "clusters" / "mixed-three-types.json"
+BASELINE = "83d87da"
+"""The release before the search was reworked for speed and its optimality guarantee."""
+
+# Runs in a fresh interpreter whose import path starts at the version's checkout.
+RUNNER = r"""
+import json, sys, time
+root, cluster_file, model_name, global_batch = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+sys.path.insert(0, root)
+from autoplan import Cluster, models
+from autoplan.errors import NoPlanFitsError
+from search import search
+model = models.get(model_name)
+cluster = Cluster.load(cluster_file)
+cpu0, wall0 = time.process_time(), time.perf_counter()
+row = {}
+try:
+    result = search(model, cluster, global_batch, progress=False)
+    best, stats = result.best, result.stats
+    row = dict(fits=True, plan=best.plan.describe(), gpus_used=best.gpus_used,
+               iteration_s=best.estimate.iteration_time_s, tokens_per_s=best.estimate.tokens_per_s,
+               mfu=best.estimate.mfu, candidates=stats.candidates, skeletons=stats.skeletons,
+               splits=stats.splits, estimates=stats.estimates, phases=dict(stats.phase_s))
+except NoPlanFitsError:
+    row = dict(fits=False, plan="no plan fits")
+row.update(cpu_s=time.process_time() - cpu0, wall_s=time.perf_counter() - wall0)
+print("ROW " + json.dumps(row))
+"""
 
 
-def homogeneous(gpus: int) -> Cluster:
-    return Cluster.homogeneous("A100-80GB", gpus // 8, 8, inter_node_GBps=25, name=f"a100-{gpus}")
+def homogeneous(gpus: int) -> dict:
+    from autoplan import Cluster
+    return Cluster.homogeneous("A100-80GB", gpus // 8, 8, inter_node_GBps=25, name=f"a100-{gpus}").to_dict()
 
 
-def mixed(gpus: int) -> Cluster:
+def mixed(gpus: int) -> dict:
     """The mixed-three-types cluster scaled to ``gpus`` GPUs (half H100, a quarter each of
     A100-40GB and L4)."""
-    base = json.loads(MIXED_FILE.read_text())
-    data = copy.deepcopy(base)
+    data = copy.deepcopy(json.loads(MIXED_FILE.read_text()))
     data["name"] = f"mixed-{gpus}"
     data.pop("description", None)
     h100, a100, l4 = data["node_groups"]
@@ -55,81 +83,90 @@ def mixed(gpus: int) -> Cluster:
         h100.update(nodes=1, gpus_per_node=gpus // 2)
         a100.update(nodes=1, gpus_per_node=gpus // 4)
         l4.update(nodes=1, gpus_per_node=gpus // 4)
-    cluster = Cluster.from_dict(data, where=f"mixed-{gpus}")
-    assert cluster.num_gpus == gpus, (gpus, cluster.num_gpus)
-    return cluster
+    return data
 
 
-def run(series: str, sizes: list[int], model, global_batch: int) -> list[dict]:
-    rows = []
-    for n in sizes:
-        cluster = homogeneous(n) if series == "homogeneous" else mixed(n)
-        t0 = time.perf_counter()
-        try:
-            result = search(model, cluster, global_batch, progress=False)
-            wall = time.perf_counter() - t0
-            best, stats = result.best, result.stats
-            row = dict(series=series, gpus=n, search_s=wall, fits=True, plan=best.plan.describe(),
-                       gpus_used=best.gpus_used, iteration_s=best.estimate.iteration_time_s,
-                       tokens_per_s=best.estimate.tokens_per_s, mfu=best.estimate.mfu,
-                       candidates=stats.candidates, skeletons=stats.skeletons, splits=stats.splits,
-                       estimates=stats.estimates, solves=stats.placement.solves if stats.placement else 0,
-                       phases=dict(stats.phase_s))
-        except NoPlanFitsError:
-            wall = time.perf_counter() - t0
-            row = dict(series=series, gpus=n, search_s=wall, fits=False, plan="no plan fits", gpus_used=0,
-                       iteration_s=float("nan"), tokens_per_s=float("nan"), mfu=float("nan"), candidates=0,
-                       skeletons=0, splits=0, estimates=0, solves=0, phases={})
-        rows.append(row)
-        print(f"{series:12s} {n:5d} GPUs  search {row['search_s']:7.2f} s  "
-              + (f"{row['plan']}  {row['iteration_s']:.3f} s/iter" if row["fits"] else "no plan fits"), flush=True)
-    return rows
+def time_search(root: Path, cluster: dict, model: str, global_batch: int, timeout_s: float) -> dict:
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump(cluster, f)
+        path = f.name
+    try:
+        env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+        proc = subprocess.run([sys.executable, "-c", RUNNER, str(root), path, model, str(global_batch)],
+                              capture_output=True, text=True, timeout=timeout_s, cwd=str(root), env=env)
+    except subprocess.TimeoutExpired:
+        return dict(fits=False, plan=f"stopped after {timeout_s:.0f} s", cpu_s=float("nan"), wall_s=float("nan"),
+                    timed_out=True)
+    finally:
+        os.unlink(path)
+    for line in proc.stdout.splitlines():
+        if line.startswith("ROW "):
+            return json.loads(line[4:])
+    raise RuntimeError(f"search in {root} failed:\n{proc.stderr[-2000:]}")
 
 
-def write_markdown(rows: list[dict], path: Path, model_s: float, model_name: str, global_batch: int) -> None:
-    lines = [f"# Search time vs cluster size ({model_name}, global batch {global_batch})", "",
-             f"Model built once in {model_s:.1f} s (not included below). One process, one core busy; "
-             "times are wall-clock on the machine that ran `benchmarks/search_time.py`.", "",
-             "Phases: CP-SAT placement of device groups (mixed clusters only), bounds, layer-split DP "
-             "(with its exact refinement), full cost-model estimates of the shortlist.", "",
-             "| cluster | GPUs | search s | placement / bounds / split / estimate s | candidates | pipelines "
-             "| DP splits | CP-SAT solves | estimates | best plan | GPUs used | iteration s | tokens/s | MFU |",
-             "|---|---:|---:|---|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|"]
+def checkout(revision: str) -> Path:
+    """A temporary worktree of ``revision`` (removed by remove_checkout)."""
+    where = Path(tempfile.mkdtemp(prefix="autoplan-baseline-"))
+    subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", "--force", str(where), revision],
+                   check=True, capture_output=True)
+    return where
+
+
+def remove_checkout(where: Path) -> None:
+    subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(where)], capture_output=True)
+
+
+def _fmt(x: float, digits: int = 2) -> str:
+    return "-" if x != x else f"{x:,.{digits}f}"
+
+
+def write_markdown(rows: list[dict], path: Path, model: str, global_batch: int, baseline: str) -> None:
+    lines = [f"# Search time vs cluster size ({model}, global batch {global_batch})", "",
+             f"Each search ran alone in its own process, this version's and the baseline's ({baseline}) one "
+             "after the other; the model is built before the clock starts. CPU seconds are "
+             "`time.process_time()` of the process around the search (all its threads), wall seconds "
+             "`time.perf_counter()`; the machine was shared with other work, which inflates both (the "
+             "ratio compares like with like). Each version's search ranks by its own cost model, so "
+             "iteration times differ where the cost model changed since the baseline. Rows missing "
+             "from a size sweep were not reached before the run was stopped. Produced by "
+             "`python benchmarks/search_time.py`.", "",
+             f"| cluster | GPUs | CPU s {baseline} | CPU s now | CPU ratio | wall s {baseline} | wall s now "
+             f"| best plan now | iteration s {baseline} | iteration s now | candidates now | DP splits now |",
+             "|---|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|"]
     for r in rows:
-        if r["fits"]:
-            ph = r["phases"]
-            phases = " / ".join(f"{ph.get(k, 0.0):.1f}" for k in ("placement", "bounds", "split", "estimate"))
-            lines.append(f"| {r['series']} | {r['gpus']} | {r['search_s']:.2f} | {phases} | {r['candidates']:,} | "
-                         f"{r['skeletons']:,} | {r['splits']:,} | {r['solves']} | {r['estimates']} | "
-                         f"`{r['plan']}` | {r['gpus_used']} | {r['iteration_s']:.3f} | "
-                         f"{r['tokens_per_s']:,.0f} | {r['mfu']:.1%} |")
-        else:
-            lines.append(f"| {r['series']} | {r['gpus']} | {r['search_s']:.2f} | | | | | | | no plan fits "
-                         "(the message says how much memory is missing) | | | | |")
+        new, old = r["now"], r.get("baseline") or {}
+        ratio = old.get("cpu_s", float("nan")) / new["cpu_s"] if new.get("cpu_s") else float("nan")
+        plan = f"`{new['plan']}`" if new.get("fits") else new["plan"]
+        lines.append(f"| {r['series']} | {r['gpus']:,} | {_fmt(old.get('cpu_s', float('nan')))} | {_fmt(new['cpu_s'])} "
+                     f"| {_fmt(ratio, 1)}x | {_fmt(old.get('wall_s', float('nan')))} | {_fmt(new['wall_s'])} | {plan} "
+                     f"| {_fmt(old.get('iteration_s', float('nan')), 3)} | {_fmt(new.get('iteration_s', float('nan')), 3)} "
+                     f"| {new.get('candidates', 0):,} | {new.get('splits', 0):,} |")
     path.write_text("\n".join(lines) + "\n")
 
 
-def write_plot(rows: list[dict], path: Path, model_name: str) -> None:
+def write_plot(rows: list[dict], path: Path, model: str, baseline: str) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6.4, 4.2))
-    for series, marker in (("homogeneous", "o"), ("mixed", "s")):
+    fig, ax = plt.subplots(figsize=(6.8, 4.4))
+    for series, color in (("homogeneous", "tab:blue"), ("mixed", "tab:orange")):
         pts = [r for r in rows if r["series"] == series]
         if not pts:
             continue
-        ax.plot([r["gpus"] for r in pts], [r["search_s"] for r in pts], marker=marker, label=series)
-        for r in pts:
-            if not r["fits"]:
-                ax.scatter([r["gpus"]], [r["search_s"]], facecolors="none", edgecolors="red", s=90, zorder=3)
+        for key, style, label in (("now", "-o", "now"), ("baseline", "--s", baseline)):
+            xs = [r["gpus"] for r in pts if r.get(key) and r[key].get("cpu_s") == r[key].get("cpu_s")]
+            ys = [r[key]["cpu_s"] for r in pts if r.get(key) and r[key].get("cpu_s") == r[key].get("cpu_s")]
+            if xs:
+                ax.plot(xs, ys, style, color=color, label=f"{series}, {label}", alpha=1.0 if key == "now" else 0.6)
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("GPUs in the cluster")
-    ax.set_ylabel("search time (s)")
-    ax.set_title(f"autoplan search time, {model_name} (red ring: no plan fits)")
+    ax.set_ylabel("search CPU time (s)")
+    ax.set_title(f"autoplan search time, {model}")
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend()
+    ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -141,20 +178,43 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--series", default="homogeneous,mixed", help="homogeneous, mixed, or both")
     p.add_argument("--model", default="gpt3-175b")
     p.add_argument("--global-batch", type=int, default=1536)
+    p.add_argument("--baseline", default=BASELINE, help=f"git revision to compare with (default {BASELINE})")
+    p.add_argument("--no-baseline", action="store_true", help="time this version only")
+    p.add_argument("--timeout", type=float, default=1800, help="seconds one search may take before it is stopped")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    p.add_argument("--report-only", action="store_true", help="redraw the report from search_time.jsonl")
     args = p.parse_args(argv)
-    sizes = [int(x) for x in args.sizes.split(",") if x]
-    t0 = time.perf_counter()
-    model = models.get(args.model)
-    model_s = time.perf_counter() - t0
-    print(f"{model.describe()} (built in {model_s:.1f} s)")
-    rows = []
-    for series in args.series.split(","):
-        rows += run(series.strip(), sizes, model, args.global_batch)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    write_markdown(rows, out / "search_time.md", model_s, model.name, args.global_batch)
-    write_plot(rows, out / "search_time.png", model.name)
+    raw = out / "search_time.jsonl"
+    if not args.report_only:
+        sys.path.insert(0, str(ROOT))
+        sizes = [int(x) for x in args.sizes.split(",") if x]
+        base = None if args.no_baseline else checkout(args.baseline)
+        raw.write_text("")
+        try:
+            # Size by size (both series at each), in the order given: an interrupted run
+            # still has the sizes asked for first.
+            for n in sizes:
+                for series in [s.strip() for s in args.series.split(",") if s.strip()]:
+                    cluster = homogeneous(n) if series == "homogeneous" else mixed(n)
+                    row = dict(series=series, gpus=n)
+                    row["now"] = time_search(ROOT, cluster, args.model, args.global_batch, args.timeout)
+                    if base is not None:
+                        row["baseline"] = time_search(base, cluster, args.model, args.global_batch, args.timeout)
+                    with raw.open("a") as f:
+                        f.write(json.dumps(row) + "\n")
+                    old = row.get("baseline", {})
+                    print(f"{series:12s} {n:6d} GPUs  CPU {row['now']['cpu_s']:8.2f} s (baseline "
+                          f"{old.get('cpu_s', float('nan')):8.2f} s)  wall {row['now']['wall_s']:8.2f} s "
+                          f"(baseline {old.get('wall_s', float('nan')):8.2f} s)  {row['now']['plan'][:70]}", flush=True)
+        finally:
+            if base is not None:
+                remove_checkout(base)
+    rows = sorted((json.loads(line) for line in raw.read_text().splitlines() if line.strip()),
+                  key=lambda r: (r["series"], r["gpus"]))
+    write_markdown(rows, out / "search_time.md", args.model, args.global_batch, args.baseline)
+    write_plot(rows, out / "search_time.png", args.model, args.baseline)
     print(f"wrote {out / 'search_time.md'} and {out / 'search_time.png'}")
     return 0
 

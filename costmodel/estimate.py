@@ -136,12 +136,12 @@ class Estimate:
         parts = ", ".join(f"{k} {v:.3g}s" for k, v in b.items())
         lo, hi = self.time_interval_s
         mlo, mhi = self.memory_interval_bytes
-        band = f" [{lo:.4g}-{hi:.4g}]" if hi > lo else ""
-        mband = f" [{mlo / GiB:.1f}-{mhi / GiB:.1f}]" if mhi > mlo else ""
-        mem = f"{self.peak_memory_bytes / GiB:.1f}{mband} GiB peak/GPU"
+        band = f" (80% range {lo:.4g}-{hi:.4g} s)" if hi > lo else ""
+        mband = f" (80% range {mlo / GiB:.1f}-{mhi / GiB:.1f})" if mhi > mlo else ""
+        mem = f"{self.peak_memory_bytes / GiB:.1f} GiB{mband} peak/GPU"
         state = {"fits": "fits", "tight": f"TIGHT: less than {self.memory_margin:.0%} of memory left",
                  "out of memory": "DOES NOT FIT"}[self.status]
-        return (f"{self.plan.describe()}\n  iteration {self.iteration_time_s:.4g}{band} s, "
+        return (f"{self.plan.describe()}\n  iteration {self.iteration_time_s:.4g} s{band}, "
                 f"{self.tokens_per_s:,.0f} tokens/s, {self.model_tflops_per_gpu:.1f} TFLOP/s/GPU, "
                 f"MFU {self.mfu:.1%}, {mem} ({state}), stack {self.stack}\n  {parts}")
 

@@ -72,6 +72,9 @@ class Bounds:
         self._pairs: dict = {}
         self._mixed: dict = {}
         self._counts: dict = {}
+        self._mb_bound: dict = {}
+        self._caps: dict = {}
+        self._extra: dict = {}
 
     def summary(self, kind: Kind, b: int, sp: bool) -> KindSummary:
         key = (kind, b, sp and kind.tp > 1)
@@ -171,8 +174,23 @@ class Bounds:
         fit; INF when no split can fit. On a mixed pipeline every unit is taken at its
         cheapest and smallest over the pipeline's kinds (a relaxation)."""
         P = sk.pp
+        gpipe = st.schedule == "gpipe"
+        # The in-flight counts stop depending on m once it reaches twice the depth.
+        m = st.num_micro_batches
+        key = (sk_id, st.micro_batch, st.sequence_parallel, st.zero, m if gpipe or m < 2 * P else None,
+               st.virtual_stages, gpipe)
+        hit = self._extra.get(key)
+        if hit is None:
+            hit = self._extra[key] = self._recompute_extra(sk_id, sk, st, s)
+        return hit
+
+    def _recompute_extra(self, sk_id: int, sk: Skeleton, st: Setting, s: KindSummary) -> float:
+        P = sk.pp
         counts = self._counts_of(P, st.num_micro_batches, st.virtual_stages, st.schedule)
-        caps = [self.tables.capacity(k.pool) - self.tables.fixed_bytes(k.pool)
+        caps = self._caps.get(sk_id)
+        if caps is None:
+            caps = self._caps[sk_id] = [
+                self.tables.capacity(k.pool) - self.tables.fixed_bytes(k.pool)
                 for k in sk.kinds]
         if len(set(sk.kinds)) > 1:
             s = self._mixed_summary(sk_id, sk, st)
@@ -201,18 +219,26 @@ class Bounds:
 
     def skeleton_bound(self, sk_id: int, sk: Skeleton, micro_batches: list[int],
                        sequence_parallel: tuple[bool, ...]) -> float:
-        """A bound valid for every setting of the skeleton: every schedule's closed form is
-        at least ``m`` periods, and the period at least the work spread over the groups."""
-        P = sk.pp
-        best = INF
-        for b in micro_batches:
-            for sp in sequence_parallel:
-                kinds = self._distinct(sk_id, sk)
-                summ = [(self.summary(k, b, sp), n) for k, n in kinds]
-                period = 1.0 / sum(n / s.work for s, n in summ)
-                period = max(period, min(s.smallest[-(-self.L // P)] for s, _ in summ))
-                best = min(best, period / b)
-        return best * self.global_batch / sk.dp
+        """A bound valid for every setting of the skeleton (the least of its
+        :meth:`micro_batch_bound` s)."""
+        return min((self.micro_batch_bound(sk_id, sk, b, sp) for b in micro_batches for sp in sequence_parallel),
+                   default=INF)
+
+    def micro_batch_bound(self, sk_id: int, sk: Skeleton, b: int, sp: bool) -> float:
+        """A bound valid for every setting of the skeleton with micro-batch ``b`` and
+        sequence parallelism ``sp``: every schedule's time is at least ``m`` periods (each
+        rank runs all its micro-batches one after another), and the period at least the
+        work spread over the groups at their speeds, and at least the least work of the
+        ``ceil(units / pp)`` units some stage must hold."""
+        key = (sk_id, b, sp)
+        hit = self._mb_bound.get(key)
+        if hit is None:
+            P = sk.pp
+            summ = [(self.summary(k, b, sp), n) for k, n in self._distinct(sk_id, sk)]
+            period = 1.0 / sum(n / s.work for s, n in summ)
+            period = max(period, min(s.smallest[-(-self.L // P)] for s, _ in summ))
+            hit = self._mb_bound[key] = period / b * self.global_batch / sk.dp
+        return hit
 
     def time_bound(self, sk_id: int, sk: Skeleton, st: Setting) -> float:
         """Lower bound on the closed-form time of any split (INF: nothing can fit)."""

@@ -20,17 +20,20 @@ Phases (each timed in ``SearchStats.phase_s``):
 from __future__ import annotations
 
 import heapq
+import itertools
 import time
 from dataclasses import replace
 
 from autoplan.cluster import Cluster
 from autoplan.errors import ConfigError, NoPlanFitsError
+from autoplan.limits import MAX_GLOBAL_BATCH, MAX_MICRO_BATCHES, MAX_SCHEDULE_SLOTS
 from autoplan.models.spec import ModelSpec
 from autoplan.plan import DeviceGroup, Plan, Stage
 from autoplan.units import GiB
 from costmodel import estimate as full_estimate
 from search.bounds import Bounds
-from search.evaluate import Candidate, Setting, Skeleton, analyze, program_actions, simulated
+from search.evaluate import (Candidate, Setting, Skeleton, analyze, busy_bound, program_actions, simulated,
+                             stage_figures)
 from search.placement import PlacementStats, allocate, place, pool_kinds
 from search.progress import Progress
 from search.result import RankedPlan, SearchResult, SearchStats
@@ -45,8 +48,8 @@ def search(model: ModelSpec, cluster: Cluster, global_batch: int, **constraints)
 
     Raises NoPlanFitsError when no plan in the space fits in memory; the message gives
     the leanest plan's memory per device type and what would make one fit."""
-    if not isinstance(global_batch, int) or isinstance(global_batch, bool) or global_batch < 1:
-        raise ConfigError("global_batch", f"must be a positive integer, got {global_batch!r}")
+    if not isinstance(global_batch, int) or isinstance(global_batch, bool) or not 1 <= global_batch <= MAX_GLOBAL_BATCH:
+        raise ConfigError("global_batch", f"must be an integer in 1..{MAX_GLOBAL_BATCH:,}, got {global_batch!r}")
     c = Constraints.build(**constraints)
     engine = c.engine()
     if engine.name != "autoplan":
@@ -59,6 +62,14 @@ def search(model: ModelSpec, cluster: Cluster, global_batch: int, **constraints)
         refusal = model_violation(model, engine)
         if refusal is not None:
             raise refusal
+    if c.tp is not None:
+        # An impossible degree is a mistake to name, not a search that finds nothing.
+        allowed = model.tp_degrees(max(c.tp))
+        bad = [t for t in c.tp if t not in allowed]
+        if bad:
+            what = (f"the model's {model.heads} attention heads ({model.kv_heads} key/value heads)"
+                    if model.tp_shardable else f"{model.name} (its layers are not tensor-parallel)")
+            raise ConfigError("tp", f"{bad[0]} does not divide {what}", f"allowed degrees: {allowed}")
     return _Search(model, cluster, global_batch, c).run()
 
 
@@ -78,9 +89,16 @@ REFINE_ACTIONS = 256
 """Refine splits by local search only for programs this short (a few dozen simulations
 of at most this many actions each): there the fill and drain, not the period the DP
 balances, make much of the time."""
+ESTIMATE_AT_LEAST = 5
+"""Shortlisted plans always given the full cost model (a table's worth)."""
+ESTIMATE_WINDOW = 1.05
+"""Beyond those, only plans the fast model puts within this factor of the best full
+estimate are given the full cost model."""
 REFINE_WINDOW = 1.1
 """Refine a split only when its time is within this factor of the shortlist's worst (or the
 shortlist is not full): refining rarely gains more than that."""
+REFINE_MOVES = 200
+"""Moves the refinement of one split may try."""
 
 
 class _Search:
@@ -98,6 +116,12 @@ class _Search:
         self.refine_left = c.refine_evaluations
         self.engine = c.engine()
         self.restricted = self.engine.name != "autoplan"
+        self.deadline: float | None = None
+        """perf_counter() at which the caller's time limit runs out (None: no limit)."""
+        self.unplaced_bound = INF
+        """A lower bound for the pipelines placement did not get to (time limit)."""
+        self.best_time = INF
+        """Fast-model time of the best candidate so far."""
 
     # ------------------------------------------------------------ options
     def tp_options(self) -> list[int]:
@@ -142,25 +166,29 @@ class _Search:
             return ["1f1b"] if "1f1b" in flat else flat[:1]
         return list(self.c.schedules)
 
-    def settings(self, sk: Skeleton):
+    def sequence_parallel(self, sk: Skeleton) -> tuple[bool, ...]:
+        """Sequence-parallel settings worth trying (one without tensor parallelism)."""
+        if any(k.tp > 1 for k in sk.kinds):
+            return self.c.sequence_parallel
+        return (min(self.c.sequence_parallel),)
+
+    def settings(self, sk: Skeleton, b: int, sp: bool):
+        """(setting, ZeRO stages it stands for) of a skeleton at micro-batch ``b``."""
         P, dp = sk.pp, sk.dp
-        any_tp = any(k.tp > 1 for k in sk.kinds)
         # Settings that change nothing are tried once: ZeRO without data parallelism,
-        # sequence parallelism without tensor parallelism.
-        sps = self.c.sequence_parallel if any_tp else (min(self.c.sequence_parallel),)
+        # sequence parallelism without tensor parallelism (see sequence_parallel()).
         zeros = self.c.zero if dp > 1 else (min(self.c.zero),)
         # ZeRO 0-2 share a time bound (they differ in memory and in the gradient
         # reduction only); ZeRO-3 adds gathers to every micro-batch.
         low = tuple(z for z in zeros if z < 3 or dp == 1)
         z3 = dp > 1 and 3 in zeros
-        for b, m, sched, v in self._pipelinings(P, dp):
-            for sp in sps:
-                base = Setting(b, m, sched, v, 0, sp)
-                ok_low = tuple(z for z in low if self._runs_on_target(sk, replace(base, zero=z)))
-                if ok_low:
-                    yield replace(base, zero=ok_low[-1]), ok_low
-                if z3 and self._runs_on_target(sk, replace(base, zero=3)):
-                    yield replace(base, zero=3), (3,)
+        for m, sched, v in self._pipelinings(P, dp, b):
+            base = Setting(b, m, sched, v, 0, sp)
+            ok_low = tuple(z for z in low if self._runs_on_target(sk, replace(base, zero=z)))
+            if ok_low:
+                yield replace(base, zero=ok_low[-1]), ok_low
+            if z3 and self._runs_on_target(sk, replace(base, zero=3)):
+                yield replace(base, zero=3), (3,)
 
     def _runs_on_target(self, sk: Skeleton, st: Setting) -> bool:
         """The target engine can run this mesh and setting (the split and recomputation are
@@ -179,19 +207,22 @@ class _Search:
         self.stats.excluded_by_target += 1
         return False
 
-    def _pipelinings(self, P: int, dp: int):
-        """(micro-batch, micro-batches, schedule, virtual stages) a pipeline of depth P
-        with dp replicas may run."""
-        for b in self.mb_options(dp):
-            m = self.gb // (dp * b)
-            for sched in self.schedules(P):
-                if sched != "interleaved-1f1b":
-                    yield b, m, sched, 1
-                elif P > 1 and m % P == 0:
-                    vs = self.c.virtual_stages or range(2, self.c.max_virtual_stages + 1)
-                    for v in vs:
-                        if v >= 2 and P * v <= self.L:
-                            yield b, m, sched, v
+    def _pipelinings(self, P: int, dp: int, b: int):
+        """(micro-batches, schedule, virtual stages) a pipeline of depth P with dp
+        replicas may run at micro-batch b. A new per-setting degree (a choice that does not
+        change the device groups) joins here, and in settings() / Setting."""
+        m = self.gb // (dp * b)
+        if m > MAX_MICRO_BATCHES:
+            return   # a plan past the limits cannot be estimated or run
+        for sched in self.schedules(P):
+            if sched != "interleaved-1f1b":
+                if P * m <= MAX_SCHEDULE_SLOTS:
+                    yield m, sched, 1
+            elif P > 1 and m % P == 0:
+                vs = self.c.virtual_stages or range(2, self.c.max_virtual_stages + 1)
+                for v in vs:
+                    if v >= 2 and P * v <= self.L and P * v * m <= MAX_SCHEDULE_SLOTS:
+                        yield m, sched, v
 
     # --------------------------------------------------------- skeletons
     def homogeneous_skeletons(self) -> list[Skeleton]:
@@ -213,17 +244,69 @@ class _Search:
         return out
 
     def heterogeneous_skeletons(self, pstats: PlacementStats) -> list[Skeleton]:
+        """Pipelines of device groups on several node groups: all of them when the space
+        holds few enough (``max_exhaustive_pipelines``), else CP-SAT's proposals."""
+        options = {dp: self._runs(dp) for dp in self.dp_options()}
+        if sum(_count_sequences(runs, self.max_pp()) for runs in options.values()) <= self.c.max_exhaustive_pipelines:
+            out = []
+            for dp, runs in options.items():
+                for seq in _sequences(runs, self.max_pp()):
+                    if self.c.pp is not None and len(seq) not in self.c.pp:
+                        continue
+                    if self.restricted and self.engine.uniform_tp and len({k.tp for k in seq}) > 1:
+                        continue   # the engine runs one tensor-parallel degree per job
+                    sk = allocate(self.tables, dp, seq)
+                    if sk is not None:
+                        out.append(sk)
+            pstats.enumerated = len(out)
+            pstats.skeletons = len(out)
+            return out
+        return self._placed_skeletons(pstats)
+
+    def max_pp(self) -> int:
+        """Longest pipeline on several node groups."""
+        return min(self.c.max_stages, max(self.pp_options(), default=0))
+
+    def _runs(self, dp: int) -> list[list[tuple[Kind, int]]]:
+        """Per node group: the runs it may serve (device kind, how many groups in a row)."""
+        out = []
+        for k in range(len(self.cluster.groups)):
+            kinds = pool_kinds(self.tables, dp, self.tp_options(), pools=[k])
+            out.append([(kind, n) for kind in kinds
+                        for n in range(1, min(self.cluster.groups[k].num_gpus // (dp * kind.tp), self.max_pp()) + 1)])
+        return out
+
+    def cluster_bound(self) -> float:
+        """No plan beats every GPU of the cluster working at its best micro-batch and
+        tensor-parallel degree on its share of the global batch."""
+        rate = 0.0
+        for k, ng in enumerate(self.cluster.groups):
+            best = 0.0
+            for t in self.tp_options():
+                if ng.gpus_per_node % t:
+                    continue
+                for b in sorted({b for dp in self.dp_options() for b in self.mb_options(dp)}):
+                    for sp in self.c.sequence_parallel:
+                        best = max(best, b / self.bounds.summary(Kind(k, t), b, sp).work * (ng.num_gpus // t))
+            rate += best
+        return self.gb / rate if rate > 0 else INF
+
+    def _placed_skeletons(self, pstats: PlacementStats) -> list[Skeleton]:
         seen: dict[tuple, Skeleton] = {}
         # The sequence of device groups depends on the micro-batch only through memory:
         # placing for the two smallest sizes covers the ones that fit best; the DP then
         # tries every micro-batch size on every sequence.
         keys = [(dp, b) for dp in self.dp_options() for b in self.mb_options(dp)[:PLACEMENT_MICRO_BATCHES]]
         self.progress.phase("placement", len(keys))
-        max_pp = max(self.pp_options()) if self.pp_options() else 0
         # An engine with one tensor-parallel size per job gets pipelines of one degree each.
         tp_sets = [[t] for t in self.tp_options()] if self.engine.uniform_tp and self.restricted \
             else [self.tp_options()]
         for dp, b in keys:
+            if seen and self.out_of_time():
+                # Pipelines never placed are bounded by the whole cluster's best rate.
+                self.stats.stopped_at_time_limit = True
+                self.unplaced_bound = self.cluster_bound()
+                break
             self.progress.step()
             found = []
             for tps in tp_sets:
@@ -233,7 +316,7 @@ class _Search:
                 found += place(self.tables, dp=dp, micro_batch=b, num_micro_batches=self.gb // (dp * b),
                                sequence_parallel=True in self.c.sequence_parallel, kinds=kinds,
                                zeros=list(self.c.zero), modes=list(self.modes),
-                               max_stages=min(self.c.max_stages, max_pp), use_all_gpus=self.c.use_all_gpus,
+                               max_stages=self.max_pp(), use_all_gpus=self.c.use_all_gpus,
                                alternatives=self.c.placement_alternatives,
                                det_time_limit=self.c.placement_time_limit, seed=self.c.seed, stats=pstats)
             for sk in found:
@@ -268,6 +351,8 @@ class _Search:
     # ---------------------------------------------------------------- run
     def run(self) -> SearchResult:
         t_start = time.perf_counter()
+        if self.c.time_limit is not None:
+            self.deadline = t_start + self.c.time_limit
         stats = self.stats
         try:
             while True:
@@ -282,15 +367,20 @@ class _Search:
 
                 t0 = time.perf_counter()
                 short = self._best_first(skeletons)
-                if short or self.tables.margin == 0:
+                if short or self.tables.margin == 0 or stats.stopped_at_time_limit:
                     break
                 # Nothing fits with the safety margin free: look again for plans that fit
-                # at all (they come out marked tight).
+                # at all (they come out marked tight). The bounds' memory budgets change.
                 self.tables.margin = 0.0
+                self.bounds = Bounds(self.tables, self.modes, self.gb)
                 stats.tight_fallback = True
+                stats.pruned_memory_bound = stats.pruned_no_split = stats.pruned_split_bound = 0
             stats.phase_s["split"] = time.perf_counter() - t0 - stats.phase_s.get("bounds", 0.0)
             stats.splits = self.splitter.runs
             stats.shortlisted = len(short)
+            if not short and stats.stopped_at_time_limit:
+                raise ConfigError("time_limit", f"{self.c.time_limit:g} s ran out before any plan that fits was found",
+                                  "allow more seconds, or none")
             if not short:
                 raise NoPlanFitsError(self._no_fit_message(skeletons))
 
@@ -308,60 +398,86 @@ class _Search:
 
     def _count(self, sk: Skeleton) -> int:
         """Candidates of a skeleton (what settings() yields, times its ZeRO stages)."""
-        P, dp = sk.pp, sk.dp
-        n_sp = len(self.c.sequence_parallel) if any(k.tp > 1 for k in sk.kinds) else 1
-        n_zero = len(self.c.zero) if dp > 1 else 1
-        return sum(1 for _ in self._pipelinings(P, dp)) * n_sp * n_zero
+        n_zero = len(self.c.zero) if sk.dp > 1 else 1
+        n_sp = len(self.sequence_parallel(sk))
+        return sum(1 for b in self.mb_options(sk.dp) for _ in self._pipelinings(sk.pp, sk.dp, b)) * n_sp * n_zero
 
     def _best_first(self, skeletons: list[Skeleton]) -> list[tuple]:
-        """Branch and bound over (skeleton, setting) in increasing order of the time bound.
+        """Branch and bound over (skeleton, setting) in increasing order of lower bounds.
 
-        Skeletons enter with a bound valid for all their settings (the whole model's work
-        spread over the groups, at the most efficient micro-batch); a skeleton's settings
-        are only enumerated and bounded once that bound is the smallest left, so meshes
-        that cannot beat the shortlist are never expanded. Each candidate then gets its
-        split from the DP, with a period limit derived from the current shortlist."""
+        One heap holds items of three levels, each bounded below by a bound valid for
+        everything it stands for: a skeleton (the whole model's work spread over its
+        groups, at its best micro-batch), a skeleton at one micro-batch size and
+        sequence-parallel setting, and a candidate (a complete setting, bounded by
+        :meth:`Bounds.time_bound`). The smallest item is expanded (or, for a candidate,
+        split by the DP and timed) until it cannot beat the shortlist, so what is never
+        expanded is never enumerated. Ties are broken by insertion order, so the result
+        does not depend on timing; only ``time_limit`` can stop the loop early, and then
+        the heap's smallest bound says how far from optimal the incumbent may be."""
         keep = self.c.max_estimates
         stats = self.stats
         t_bounds = time.perf_counter()
-        order = sorted((self.bounds.skeleton_bound(si, sk, self.mb_options(sk.dp), self.c.sequence_parallel), si)
-                       for si, sk in enumerate(skeletons))
-        sizes = [self._count(sk) for sk in skeletons]
-        stats.candidates = sum(sizes)
-        bounds_s = time.perf_counter() - t_bounds
-        pending: list[tuple] = []     # (bound, counter, skeleton, setting, zeros)
-        shortlist: list[tuple] = []   # (-time, -order, candidate): the worst on top
+        heap: list[tuple] = []   # (bound, counter, level, payload)
         counter = 0
-        next_sk = 0
+        for si, sk in enumerate(skeletons):
+            heap.append((self.bounds.skeleton_bound(si, sk, self.mb_options(sk.dp), self.sequence_parallel(sk)),
+                         counter, 0, si))
+            counter += 1
+        heapq.heapify(heap)
+        stats.candidates = sum(self._count(sk) for sk in skeletons)
+        bounds_s = time.perf_counter() - t_bounds
+        shortlist: list[tuple] = []   # (-time, -order, candidate): the worst on top
         examined = 0
         self.progress.phase("split", stats.candidates)
 
         def threshold() -> float:
             return -shortlist[0][0] if len(shortlist) >= keep else INF
 
-        while True:
-            sk_bound = order[next_sk][0] if next_sk < len(order) else INF
-            cfg_bound = pending[0][0] if pending else INF
-            if min(sk_bound, cfg_bound) >= threshold() or min(sk_bound, cfg_bound) == INF:
+        while heap:
+            bound, cnt, level, payload = heap[0]
+            if bound >= threshold() or bound == INF:
                 break
-            if sk_bound <= cfg_bound:
-                # Expand the skeleton: bound each of its settings.
+            if shortlist and self.out_of_time():
+                # (Never before a first plan: the limit returns the best so far, not nothing.)
+                stats.stopped_at_time_limit = True
+                break
+            heapq.heappop(heap)
+            if level < 2:
                 t = time.perf_counter()
-                si = order[next_sk][1]
-                next_sk += 1
-                sk = skeletons[si]
-                for st, zeros in self.settings(sk):
-                    bound = self.bounds.time_bound(si, sk, st)
-                    if bound == INF:
-                        stats.pruned_memory_bound += len(zeros)
-                        self.progress.step(len(zeros))
-                        continue
-                    heapq.heappush(pending, (bound, counter, si, st, zeros))
-                    counter += 1
+                if level == 0:
+                    # A skeleton: one item per micro-batch size and sequence-parallel setting.
+                    sk = skeletons[payload]
+                    for b in self.mb_options(sk.dp):
+                        for sp in self.sequence_parallel(sk):
+                            heapq.heappush(heap, (self.bounds.micro_batch_bound(payload, sk, b, sp), counter, 1,
+                                                  (payload, b, sp)))
+                            counter += 1
+                else:
+                    si, b, sp = payload
+                    sk = skeletons[si]
+                    for st, zeros in self.settings(sk, b, sp):
+                        bound = self.bounds.time_bound(si, sk, st)
+                        if bound == INF:
+                            stats.pruned_memory_bound += len(zeros)
+                            self.progress.step(len(zeros))
+                            continue
+                        heapq.heappush(heap, (bound, counter, 2, (si, st, zeros, False)))
+                        counter += 1
                 bounds_s += time.perf_counter() - t
                 continue
-            bound, cnt, si, st0, zeros = heapq.heappop(pending)
+            si, st0, zeros, tightened = payload
             sk = skeletons[si]
+            if not tightened:
+                # Before any memory-aware work: every rank runs its m micro-batches one
+                # after another, and some rank holds a stage at least as slow as the least
+                # period any split can have (the memory-free split's, shared widely).
+                t = time.perf_counter()
+                free = self.splitter.free_period(sk, st0, self.modes)
+                tight = max(bound, st0.num_micro_batches * free)
+                bounds_s += time.perf_counter() - t
+                if tight > bound:
+                    heapq.heappush(heap, (tight, cnt, 2, (si, st0, zeros, True)))
+                    continue
             for zi, z in enumerate(zeros):
                 examined += 1
                 self.progress.step()
@@ -386,9 +502,27 @@ class _Search:
                     heapq.heappush(shortlist, item)
                 elif item > shortlist[0]:
                     heapq.heapreplace(shortlist, item)
-        stats.pruned_time_bound = stats.candidates - examined - stats.pruned_memory_bound
+                else:
+                    continue
+                if analysis.time_s < self.best_time:
+                    self.best_time = analysis.time_s
+                    self.progress.incumbent(analysis.time_s)
+        # What was left unexplored is bounded below by the heap's smallest item.
+        best_time = -max(shortlist)[0] if shortlist else INF
+        left = heap[0][0] if heap else INF
+        stats.lower_bound_s = min(best_time, left, self.unplaced_bound)
+        stats.optimality_gap = (best_time / stats.lower_bound_s - 1.0) if shortlist and stats.lower_bound_s > 0 \
+            else (0.0 if shortlist else INF)
+        if stats.stopped_at_time_limit:
+            stats.unexplored = stats.candidates - examined - stats.pruned_memory_bound
+        else:
+            stats.pruned_time_bound = stats.candidates - examined - stats.pruned_memory_bound
         stats.phase_s["bounds"] = bounds_s
         return sorted(((-t, -o, cand) for t, o, cand in shortlist), key=lambda x: (x[0], x[1]))
+
+    def out_of_time(self) -> bool:
+        """Whether the caller's time limit has run out."""
+        return self.deadline is not None and time.perf_counter() >= self.deadline
 
     def _split(self, sk: Skeleton, st: Setting, limit: float, threshold: float = INF):
         """(split, analysis) of the best fitting split the target engine can run, or None:
@@ -418,7 +552,17 @@ class _Search:
         """(split, analysis) of the best fitting split found with per-stage recompute from
         ``modes``, or None. Interleaved chunks share their group's memory, so their DP works
         on per-chunk targets and the exact joint peak decides; the group-balanced split
-        competes with the DP's."""
+        competes with the DP's. A simulated split whose busiest rank alone cannot beat
+        ``threshold`` is not simulated."""
+        def timed(split):
+            figs = stage_figures(self.tables, sk, st, split.bounds, split.recompute)
+            if sim and busy_bound(self.tables, sk, st, figs) >= threshold:
+                self.stats.pruned_split_bound += 1
+                return None
+            analysis, _ = analyze(self.tables, sk, st, split.bounds, split.recompute, figs=figs)
+            return analysis
+
+        sim = simulated(st, sk.pp)
         if st.virtual_stages == 1:
             tries = [lambda: self.splitter.split(sk, st, modes, period_limit=limit)]
         else:
@@ -430,8 +574,8 @@ class _Search:
                 split = make()
                 if split is None:
                     continue
-                analysis, _ = analyze(self.tables, sk, st, split.bounds, split.recompute)
-                if analysis.fits and (best is None or analysis.time_s < best[1].time_s):
+                analysis = timed(split)
+                if analysis is not None and analysis.fits and (best is None or analysis.time_s < best[1].time_s):
                     best = (split, analysis)
             if best is not None or st.virtual_stages == 1:
                 break
@@ -439,18 +583,18 @@ class _Search:
             # Chunks share one memory and the DPs' per-chunk budgets are conservative: the
             # leanest split (balanced for memory instead of time) may still fit exactly.
             for joint in (True, False):
-                split = self.splitter.split(sk, st, modes, objective="memory", joint=joint)
+                split = self.splitter.split(sk, st, modes, objective="memory", joint=joint, period_limit=limit)
                 if split is not None:
-                    analysis, _ = analyze(self.tables, sk, st, split.bounds, split.recompute)
-                    if analysis.fits:
+                    analysis = timed(split)
+                    if analysis is not None and analysis.fits:
                         best = (split, analysis)
                         break
-        if best is not None and simulated(st, sk.pp) and program_actions(st, sk.pp) <= REFINE_ACTIONS \
+        if best is not None and sim and program_actions(st, sk.pp) <= REFINE_ACTIONS \
                 and self.refine_left > 0 and best[1].time_s < REFINE_WINDOW * threshold:
             best = self._refine(sk, st, *best, modes=modes)
         return best
 
-    def _refine(self, sk: Skeleton, st: Setting, split: Split, analysis, budget: int = 200,
+    def _refine(self, sk: Skeleton, st: Setting, split: Split, analysis, budget: int = REFINE_MOVES,
                 modes: tuple[str, ...] | None = None):
         """Local search around the DP's split for short programs, which are timed by exact
         simulation: there the fill and drain, which the DP's period-first objective only
@@ -458,7 +602,7 @@ class _Search:
         unit (one boundary, or several together, which moves a unit across stages), or
         change one stage's recompute mode; take the first improving move, repeat
         (deterministic)."""
-        modes = modes or modes
+        modes = modes or self.modes
         bounds, rec = list(split.bounds), list(split.recompute)
         best_t = analysis.time_s
         tried = 0
@@ -502,8 +646,14 @@ class _Search:
                 else:
                     nr[j] = arg
                 tried += 1
+                # Each rank runs its m micro-batches' work one after another, then its
+                # optimizer step: a move that cannot beat the incumbent even so, or does
+                # not fit, is not simulated.
+                figs = stage_figures(self.tables, sk, st, nb, nr)
+                if busy_bound(self.tables, sk, st, figs) >= best_t:
+                    continue
                 self.refine_left -= 1
-                a, _ = analyze(self.tables, sk, st, nb, nr)
+                a, _ = analyze(self.tables, sk, st, nb, nr, figs=figs)
                 if a.fits and a.time_s < best_t * (1 - 1e-12):
                     bounds, rec, best_t, analysis = nb, nr, a.time_s, a
                     improved = True
@@ -521,7 +671,12 @@ class _Search:
             st = cand.setting
             actions = cand.skeleton.pp * st.virtual_stages * st.num_micro_batches * (
                 3 if st.schedule == "zero-bubble" else 2)
-            if done and used + actions > budget:
+            if done and (used + actions > budget or self.out_of_time()):
+                break
+            # Past the first few, a candidate the fast model puts well behind the best full
+            # estimate so far cannot overtake it (the fast model is exact for short
+            # programs and within a few percent for long ones).
+            if len(done) >= ESTIMATE_AT_LEAST and t > ESTIMATE_WINDOW * min(d[0] for d in done):
                 break
             used += actions
             plan = cand.to_plan(self.model, self.dtype)
@@ -626,3 +781,26 @@ class _Search:
                          "(search --for autoplan searches them all).")
         lines.append("To make one fit, try " + ", or ".join(fixes) + ".")
         return " ".join(lines)
+
+
+def _count_sequences(runs: list[list], longest: int) -> int:
+    """How many pipelines _sequences() yields at most: over every set of node groups used,
+    the runs each may serve, in any order (the length limit is ignored: an upper bound)."""
+    from math import factorial, prod
+    total = 0
+    for used in itertools.product((False, True), repeat=len(runs)):
+        chosen = [len(r) for r, u in zip(runs, used) if u]
+        if chosen:
+            total += factorial(len(chosen)) * prod(chosen)
+    return total
+
+
+def _sequences(runs: list[list], longest: int):
+    """Device-kind sequences: each node group serves at most one run of consecutive
+    pipeline positions with one tensor-parallel degree, the runs in any order."""
+    for used in itertools.product(*[[None] + r for r in runs]):
+        chosen = [x for x in used if x is not None]
+        if not chosen or sum(c for _, c in chosen) > longest:
+            continue
+        for order in itertools.permutations(chosen):
+            yield [kind for kind, count in order for _ in range(count)]

@@ -307,10 +307,26 @@ def simulated_time(tables: Tables, sk: Skeleton, st: Setting, figs: Sequence[Sta
                     blocking_p2p=opts.blocking_p2p).iteration_time
 
 
-def analyze(tables: Tables, sk: Skeleton, st: Setting, bounds, recompute) -> tuple[Analysis, list]:
+def busy_bound(tables: Tables, sk: Skeleton, st: Setting, figs: Sequence[StageFigures]) -> float:
+    """A lower bound on the simulated iteration time: every rank runs its micro-batches'
+    forward and backward passes (and, with blocking sends, its sends) one after another,
+    then its optimizer step."""
+    P, m = sk.pp, st.num_micro_batches
+    opt, post = _tails(tables, sk, st, figs)
+    blocking = tables.options.blocking_p2p
+    out = 0.0
+    for g in range(P):
+        work = sum(f.forward + f.backward + ((f.send_forward + f.send_backward) if blocking else 0.0)
+                   for f in figs[g::P])
+        out = max(out, m * work + opt[g] + post[g])
+    return out
+
+
+def analyze(tables: Tables, sk: Skeleton, st: Setting, bounds, recompute, figs=None) -> tuple[Analysis, list]:
     """Fast-model time and memory of a candidate: exact simulation for short programs,
-    the closed form otherwise."""
-    figs = stage_figures(tables, sk, st, bounds, recompute)
+    the closed form otherwise (``figs``: its stage figures, when already computed)."""
+    if figs is None:
+        figs = stage_figures(tables, sk, st, bounds, recompute)
     mem = group_memory(tables, sk, st, figs)
     caps = [tables.capacity(k.pool) for k in sk.kinds]
     fits = all(x <= c for x, c in zip(mem, caps))
@@ -323,4 +339,4 @@ def analyze(tables: Tables, sk: Skeleton, st: Setting, bounds, recompute) -> tup
 
 
 __all__ = ["Skeleton", "Setting", "Candidate", "Analysis", "StageFigures", "stage_figures",
-           "group_memory", "pipeline_time", "analyze", "replace"]
+           "group_memory", "pipeline_time", "busy_bound", "analyze", "replace"]

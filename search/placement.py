@@ -49,6 +49,8 @@ class PlacementStats:
     """Solves that proved nothing fits."""
     skeletons: int = 0
     """Distinct device-group sequences produced."""
+    enumerated: int = 0
+    """Sequences enumerated exhaustively instead (small clusters: CP-SAT not needed)."""
     wall_s: float = 0.0
     """Seconds in CP-SAT."""
 

@@ -54,6 +54,19 @@ class SearchStats:
     """Candidates never split because a lower bound on their time could not beat the shortlist."""
     pruned_no_split: int = 0
     """Candidates for which the DP found no layer split that fits in memory."""
+    pruned_split_bound: int = 0
+    """Splits not simulated because their busiest rank alone could not beat the shortlist."""
+    unexplored: int = 0
+    """Candidates neither examined nor pruned when the time limit stopped the search."""
+    stopped_at_time_limit: bool = False
+    """The search stopped at its ``time_limit`` before it could prove its best plan optimal."""
+    lower_bound_s: float = 0.0
+    """No plan in the space is faster than this under the search's fast model (seconds per
+    iteration): the best found when the search completed, else the least lower bound of
+    what was left unexplored."""
+    optimality_gap: float = 0.0
+    """How much slower the best plan found may be than the best in the space, under the
+    search's fast model: best / lower_bound_s - 1 (0 when the search completed)."""
     splits: int = 0
     """Layer-split DP runs."""
     shortlisted: int = 0
@@ -83,10 +96,17 @@ class SearchStats:
                  + (f"; {self.excluded_by_target:,} the target engine cannot run" if self.excluded_by_target else "")]
         if self.tight_fallback:
             lines.append("  no plan leaves the memory margin free: the plans below fit, but tightly")
+        if self.stopped_at_time_limit:
+            lines.append(f"  stopped at the time limit: {self.unexplored:,} candidates unexplored; the best plan is "
+                         f"within {self.optimality_gap:.1%} of the best the space holds "
+                         f"(no plan below {self.lower_bound_s:.4g} s per iteration)")
         if self.placement is not None:
             p = self.placement
-            lines.append(f"  placement: {p.solves} CP-SAT solves ({p.optimal} optimal, {p.infeasible} infeasible), "
-                         f"{p.skeletons} device-group sequences, {p.wall_s:.2f} s")
+            if p.enumerated:
+                lines.append(f"  placement: all {p.enumerated:,} device-group sequences enumerated")
+            else:
+                lines.append(f"  placement: {p.solves} CP-SAT solves ({p.optimal} optimal, {p.infeasible} infeasible), "
+                             f"{p.skeletons} device-group sequences, {p.wall_s:.2f} s")
         return "\n".join(lines)
 
 

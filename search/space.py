@@ -10,6 +10,7 @@ from dataclasses import dataclass, fields, replace
 from typing import Any
 
 from autoplan.errors import ConfigError, closest
+from autoplan.limits import MAX_GPUS, MAX_MICRO_BATCH, MAX_UNITS, MAX_VIRTUAL_STAGES
 from autoplan.plan import SCHEDULES
 from search.tables import RECOMPUTES
 
@@ -64,6 +65,13 @@ class Constraints:
     per possible stage; pass more to widen it, at a cost in placement time)."""
     seed: int = 0
     """CP-SAT random seed (with one worker, results are reproducible)."""
+    time_limit: float | None = None
+    """Seconds the search may take (None: until it has proven its best plan optimal under
+    its fast model). When the limit strikes, the best plan so far is estimated and returned
+    with ``stats.optimality_gap``, how far from the best in the space it may be."""
+    max_exhaustive_pipelines: int = 5000
+    """On several node groups, every device-group pipeline the space holds is enumerated
+    (and bounded) when there are at most this many; beyond, CP-SAT proposes them."""
     progress: bool = True
     """Show a progress bar on stderr (only when it is a terminal)."""
     profiles: Any = None
@@ -102,9 +110,10 @@ class Constraints:
                     out[k] = None
                     continue
                 vals = _tuple(v)
+                top = _LIMITS[k]
                 for x in vals:
-                    if not isinstance(x, int) or isinstance(x, bool) or x < 1:
-                        raise ConfigError(k, f"must be positive integers, got {x!r}")
+                    if not isinstance(x, int) or isinstance(x, bool) or not 1 <= x <= top:
+                        raise ConfigError(k, f"must be integers in 1..{top:,}, got {str(x)[:40]!r}")
                 out[k] = tuple(sorted(set(vals)))
             elif k == "schedules":
                 vals = _tuple(v)
@@ -132,13 +141,20 @@ class Constraints:
                         raise ConfigError(k, f"must be True or False, got {x!r}")
                 out[k] = tuple(sorted(set(vals)))
             elif k in ("max_micro_batch", "max_virtual_stages", "max_estimates", "estimate_actions",
-                       "placement_alternatives", "max_stages", "refine_evaluations"):
-                if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                    raise ConfigError(k, f"must be a positive integer, got {v!r}")
+                       "placement_alternatives", "max_stages", "refine_evaluations", "max_exhaustive_pipelines",
+                       "seed"):
+                top = _LIMITS[k]
+                low = 0 if k == "seed" else 1
+                if not isinstance(v, int) or isinstance(v, bool) or not low <= v <= top:
+                    raise ConfigError(k, f"must be an integer in {low}..{top:,}, got {str(v)[:40]!r}")
                 out[k] = v
-            elif k == "placement_time_limit":
-                if not isinstance(v, (int, float)) or isinstance(v, bool) or v <= 0:
+            elif k == "time_limit":
+                if v is not None and (not isinstance(v, (int, float)) or isinstance(v, bool) or v <= 0):
                     raise ConfigError(k, f"must be a positive number of seconds, got {v!r}")
+                out[k] = None if v is None else float(v)
+            elif k == "placement_time_limit":
+                if not isinstance(v, (int, float)) or isinstance(v, bool) or not 0 < v <= 3600:
+                    raise ConfigError(k, f"must be a number of seconds in (0, 3600], got {str(v)[:40]!r}")
                 out[k] = float(v)
             elif k in ("target", "engine_version"):
                 if v is not None and not isinstance(v, str):
@@ -194,6 +210,14 @@ class Constraints:
             # A new stack brings its own overlap and send behaviour.
             changes.update(overlap_grad_reduce=None, blocking_p2p=None)
         return replace(opts, **changes) if changes else opts
+
+
+_LIMITS = {"tp": MAX_GPUS, "pp": MAX_UNITS, "dp": MAX_GPUS, "micro_batch": MAX_MICRO_BATCH,
+           "virtual_stages": MAX_VIRTUAL_STAGES, "max_micro_batch": MAX_MICRO_BATCH,
+           "max_virtual_stages": MAX_VIRTUAL_STAGES, "max_estimates": 10_000, "estimate_actions": 10**9,
+           "placement_alternatives": 100, "max_stages": MAX_UNITS, "refine_evaluations": 1_000_000,
+           "max_exhaustive_pipelines": 1_000_000, "seed": 2**31 - 1}
+"""Largest value of each numeric constraint (beyond them a search would run for hours)."""
 
 
 def _tuple(v) -> tuple:

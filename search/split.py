@@ -62,8 +62,10 @@ class Splitter:
         self._time: dict = {}
         self._mem: dict = {}
         self._band: dict = {}
+        self._reserve: dict = {}
+        self._free: dict = {}
         self.runs = 0
-        """DP runs (for the search statistics)."""
+        """DP runs (for the search statistics; splits shared from the cache not counted)."""
 
     # ---------------------------------------------------------- matrices
     def _time_mats(self, sk: Skeleton, g: int, st: Setting) -> np.ndarray:
@@ -137,54 +139,155 @@ class Splitter:
         under ``period_limit`` seconds per micro-batch, when one is given).
 
         ``objective="memory"`` instead minimizes the largest memory-to-capacity ratio
-        (used to report how far from fitting the leanest plan is).
+        (used to report how far from fitting the leanest plan is, and to find a split that
+        fits at all), over stages under ``period_limit``.
 
         With v > 1 chunks per group, each chunk gets a share of its group's budget and an
         in-flight count: the most it ever holds (``joint=False``, always sufficient) or its
         count at the group's peak for equal chunks (``joint=True``, tighter; the caller
-        checks the exact joint peak)."""
+        checks the exact joint peak).
+
+        The memory-free split comes first (every stage in the fastest mode; on a pipeline
+        of one device kind it depends only on the kind, micro-batch and stage count, so it
+        is computed once and shared by every data-parallel degree, ZeRO stage and schedule
+        with those). Where it fits the setting's budgets it is the answer: it has the least
+        period any split can have. Where memory binds, its period starts the constrained
+        DP's band narrow (see below)."""
+        if objective != "time":
+            return self._split_dp(sk, st, modes, objective, period_limit, joint)
+
+        free = self._unconstrained(sk, st, modes, period_limit)
+        if free is None or free.period > period_limit * (1 + 1e-12):
+            return None
+        if self._fits(sk, st, modes, free, joint):
+            return free
+        # Memory binds: the constrained DP's least period is at least the free one. Stages
+        # are first limited to runs costing at most a little more than it (a narrow band,
+        # cheap); a split found under that limit is optimal, as every longer stage would
+        # cost more. Otherwise the limit widens, up to the caller's.
+        limit = free.period * 1.25
+        for _ in range(3):
+            if limit >= period_limit:
+                break
+            found = self._split_dp(sk, st, modes, objective, limit, joint)
+            if found is not None:
+                return found
+            limit *= 2
+        return self._split_dp(sk, st, modes, objective, period_limit, joint)
+
+    def free_period(self, sk: Skeleton, st: Setting, modes: tuple[str, ...]) -> float:
+        """The least period (slowest stage, seconds per micro-batch) any split of ``sk``
+        can have under ``st``, memory aside (INF: the model does not split that finely)."""
+        free = self._unconstrained(sk, st, modes)
+        return INF if free is None else free.period
+
+    def _unconstrained(self, sk: Skeleton, st: Setting, modes: tuple[str, ...],
+                       period_limit: float = INF) -> Split | None:
+        """The DP's split with unlimited memory and the fastest mode (cached), or None when
+        no split has every stage under ``period_limit``."""
+        v = st.virtual_stages
+        z3 = st.zero >= 3 and sk.dp > 1
+        # Under ZeRO-3 the stage times depend on each group's collectives.
+        comm = tuple((self.tables.dp_affines(g, "all_gather"), self.tables.dp_affines(g, "reduce_scatter"))
+                     for g in sk.groups) if z3 else None
+        if len(set(sk.kinds)) > 1:
+            # A mixed pipeline's kinds are rarely seen twice: not cached.
+            return self._split_dp(sk, st, modes[:1], "time", period_limit, False, unlimited=True)
+        sp = st.sequence_parallel and any(k.tp > 1 for k in sk.kinds)
+        # On one device kind in one mode every split has the same total work, so the
+        # micro-batch count, which only trades period against total, is left out (except
+        # under ZeRO-3, whose exposed gathers make totals differ): the least period wins.
+        m = st.num_micro_batches
+        key = (sk.kinds, st.micro_batch, sp, v, modes[0], comm, m if z3 and m < 4 * sk.pp else None)
+        # Cached with the period limit it was computed under: a split within that limit is
+        # the least period under any limit; "none within this limit" (None, or a split
+        # over it) also holds for every smaller limit.
+        hit = self._free.get(key)
+        exact = hit is not None and hit[0] is not None and hit[0].period <= hit[1]
+        if hit is None or (not exact and period_limit > hit[1]):
+            hit = self._free[key] = (self._split_dp(sk, st, modes[:1], "time", period_limit, False, unlimited=True),
+                                     period_limit)
+        return hit[0]
+
+    def _fits(self, sk: Skeleton, st: Setting, modes: tuple[str, ...], split: Split, joint: bool) -> bool:
+        """Whether every stage of ``split`` (fastest mode) fits the budget the DP gives it."""
+        P, v = sk.pp, st.virtual_stages
+        qs = [RECOMPUTES.index(x) for x in modes]
+        q = qs[0]
+        fl = inflight(st.schedule, P, st.num_micro_batches, v)
+        counts = fl.joint if joint else fl.per_chunk
+        shares = self._chunk_shares(sk, st, counts)
+        for j, (a, e) in enumerate(split.bounds):
+            g, chunk = j % P, j // P
+            pool = sk.kinds[g].pool
+            cap = self.tables.capacity(pool) - self.tables.fixed_bytes(pool, sk.groups[g], P, sk.ep)
+            if v == 1:
+                budget = cap
+                base, act = self._mem_mats(sk, g, st)
+            else:
+                budget = (cap - self.tables.dynamic_factor * self._transient_reserve(sk, g, st, qs)) \
+                    * shares[g][chunk]
+                base, act = self._states_mats(sk, g, st)
+            if base[q][a, e] + counts[g][chunk] * act[q][a, e] > budget:
+                return False
+        return True
+
+    def _split_dp(self, sk: Skeleton, st: Setting, modes: tuple[str, ...], objective: str = "time",
+                  period_limit: float = INF, joint: bool = False, unlimited: bool = False) -> Split | None:
+        """The DP itself (see :meth:`split`); ``unlimited`` ignores memory."""
         self.runs += 1
         P, v = sk.pp, st.virtual_stages
         S = P * v
         L = self.L
         if S > L:
             return None
-        fl = inflight(st.schedule, P, st.num_micro_batches, v)
         qs = [RECOMPUTES.index(m) for m in modes]
         K = L - S + 1
-        if objective == "time" and np.isfinite(period_limit):
+        if unlimited:
+            # The even split (unit counts differing by at most one) bounds the least
+            # period from above: no stage of the optimum costs more than it does.
+            edges = [round(i * L / S) for i in range(S + 1)]
+            even = max(float(self._time_mats(sk, j % P, st)[qs[0]][a, e])
+                       for j, (a, e) in enumerate(zip(edges, edges[1:])))
+            period_limit = min(period_limit, even * (1 + 1e-9))
+        if np.isfinite(period_limit):
             # No stage may be longer than the shortest run of units that already exceeds
             # the limit on the fastest group.
             mats = {id(m): m for m in (self._time_mats(sk, g, st)[qs[0]] for g in range(P))}
             fastest = np.minimum.reduce(list(mats.values()))
-            for d in range(1, K + 1):
-                idx = np.arange(0, L + 1 - d)
-                if fastest[idx, idx + d].min() > period_limit:
-                    K = d - 1
-                    break
+            start_k, valid_k = self._index(K)
+            shortest = np.where(valid_k, fastest[start_k, np.arange(L + 1)[:, None]], INF).min(axis=0)
+            over = np.nonzero(shortest > period_limit)[0]
+            if len(over):
+                K = int(over[0])
             if K < 1:
                 return None
         start, valid = self._index(K)
         ends = np.arange(L + 1)[:, None]
-        counts = fl.joint if joint else fl.per_chunk
-        shares = self._chunk_shares(sk, st, counts)
+        if not unlimited:
+            fl = inflight(st.schedule, P, st.num_micro_batches, v)
+            counts = fl.joint if joint else fl.per_chunk
+            shares = self._chunk_shares(sk, st, counts)
         # Band views (stage ending at e with d + 1 units), shared by stages on equal groups.
         bands: dict = {}
 
         def band(mats: np.ndarray, fill: float) -> np.ndarray:
             hit = bands.get(id(mats))
             if hit is None:
-                hit = bands[id(mats)] = np.where(valid[None], mats[:, start, ends], fill)
+                hit = bands[id(mats)] = np.where(valid[None], mats[:, start, ends], fill)[qs]
             return hit
 
-        # Per stage: cost[e, d] (inf where it does not fit) and the recompute mode chosen.
-        costs, choices = [], []
+        # Stages on groups with the same matrices are costed together: cost[e, d] (inf
+        # where it does not fit) and the recompute mode chosen, for every stage at once.
+        alike: dict = {}
         for j in range(S):
             g, chunk = j % P, j // P
-            cap = self.tables.capacity(sk.kinds[g].pool)
-            n_inflight = counts[g][chunk]
-            t_band = band(self._time_mats(sk, g, st), INF)
-            cap -= self.tables.fixed_bytes(sk.kinds[g].pool, sk.groups[g], P, sk.ep)
+            pool = sk.kinds[g].pool
+            cap = self.tables.capacity(pool) - self.tables.fixed_bytes(pool, sk.groups[g], P, sk.ep)
+            time_m = self._time_mats(sk, g, st)
+            if unlimited:
+                alike.setdefault((id(time_m),), (time_m, None, None, [], [], []))[3].append(j)
+                continue
             if v == 1:
                 budget = cap
                 base, act = self._mem_mats(sk, g, st)
@@ -194,33 +297,48 @@ class Splitter:
                 budget = (cap - self.tables.dynamic_factor * self._transient_reserve(sk, g, st, qs)) \
                     * shares[g][chunk]
                 base, act = self._states_mats(sk, g, st)
-            base_band, act_band = band(base, 0.0), band(act, 0.0)
-            best = pick = None
-            for q in qs:
-                need = base_band[q] + n_inflight * act_band[q]
+            entry = alike.setdefault((id(time_m), id(base), id(act)), (time_m, base, act, [], [], []))
+            entry[3].append(j)
+            entry[4].append(counts[g][chunk])
+            entry[5].append(budget)
+        costs = np.empty((S, L + 1, K))
+        choices = np.empty((S, L + 1, K), dtype=np.int8)
+        q_index = np.array(qs, dtype=np.int8)
+        for time_m, base, act, js, n_inflight, budgets in alike.values():
+            t_band = band(time_m, INF)[None]                     # (1, modes, L + 1, K)
+            if unlimited:
+                val = np.broadcast_to(t_band, (len(js),) + t_band.shape[1:])
+            else:
+                n = np.array(n_inflight, dtype=float)[:, None, None, None]
+                cap_j = np.array(budgets)[:, None, None, None]
+                need = band(base, 0.0)[None] + n * band(act, 0.0)[None]
                 if objective == "memory":
-                    val = np.where(np.isfinite(t_band[q]), need / budget, INF)
+                    # A device with no budget left (cap 0) takes nothing: any need is
+                    # infinite there, and 0/0 must not become NaN (argmin would pick it).
+                    with np.errstate(divide="ignore", invalid="ignore"):
+                        frac = np.where(cap_j > 0, need / np.where(cap_j > 0, cap_j, 1.0),
+                                        np.where(need > 0, INF, 0.0))
+                    val = np.where(t_band <= period_limit, frac, INF)
                 else:
-                    val = np.where(need <= budget, t_band[q], INF)
+                    val = np.where(need <= cap_j, t_band, INF)
                     if np.isfinite(period_limit):
                         val = np.where(val <= period_limit, val, INF)
-                if best is None:
-                    best, pick = val, np.full(val.shape, q, dtype=np.int8)
-                    continue
-                better = val < best
-                best = np.where(better, val, best)
-                pick = np.where(better, q, pick)
-            costs.append(best)
-            choices.append(pick)
+            # The first of equal modes wins: the fastest (modes are listed fastest first).
+            arg = val.argmin(axis=1)
+            best = np.take_along_axis(val, arg[:, None], axis=1)[:, 0]
+            costs[js] = best
+            choices[js] = q_index[arg]
         period = _minmax(costs, start, valid, L)
         if period is None:
             return None
         cands = [period]
         m = st.num_micro_batches
-        if objective == "time" and m < 4 * P:
+        # (Without memory, on one kind, in one mode, only ZeRO-3 makes totals differ.)
+        z3 = st.zero >= 3 and sk.dp > 1
+        if objective == "time" and m < 4 * P and (z3 or not unlimited):
             # Few micro-batches: the fill (sum of stage times) weighs like a few periods,
             # so a slightly slower period with less total work can win.
-            vals = np.unique(np.concatenate([c[np.isfinite(c) & (c > period)] for c in costs]))
+            vals = np.unique(costs[np.isfinite(costs) & (costs > period)])
             cands += list(vals[:3])
         best_obj, best_split = INF, None
         for tau in cands:
@@ -256,11 +374,15 @@ class Splitter:
     def _transient_reserve(self, sk: Skeleton, g: int, st: Setting, qs: list[int]) -> float:
         """The largest transient a unit can cause on group g (the head's only on the group
         that runs the last chunk), under the modes allowed."""
-        t = self.tables.table(sk.kinds[g], st.micro_batch, st.sequence_parallel)
         holds_head = g == (sk.pp * st.virtual_stages - 1) % sk.pp
-        kinds = [l.kind for l in self.tables.model.layers]
-        units = [i for i in range(self.L) if holds_head or kinds[i] != "head"]
-        return float(t.transient[qs][:, units].max())
+        key = (sk.kinds[g], st.micro_batch, st.sequence_parallel, holds_head, tuple(qs))
+        hit = self._reserve.get(key)
+        if hit is None:
+            t = self.tables.table(sk.kinds[g], st.micro_batch, st.sequence_parallel)
+            kinds = [l.kind for l in self.tables.model.layers]
+            units = [i for i in range(self.L) if holds_head or kinds[i] != "head"]
+            hit = self._reserve[key] = float(t.transient[qs][:, units].max())
+        return hit
 
     def _chunk_shares(self, sk: Skeleton, st: Setting, counts) -> list[list[float]]:
         """Share of its group's memory budget each chunk may use. With v chunks per group
@@ -337,9 +459,9 @@ class Splitter:
         return Split(bounds=tuple(bounds), recompute=tuple(rec), period=period, total=total)
 
 
-def _minmax(costs: list[np.ndarray], start: np.ndarray, valid: np.ndarray, L: int) -> float | None:
+def _minmax(costs: np.ndarray, start: np.ndarray, valid: np.ndarray, L: int) -> float | None:
     """Smallest achievable max_j cost_j over contiguous splits of L units into len(costs)
-    non-empty stages (costs[j][e, d-1]: stage j ending at e with d units)."""
+    non-empty stages (costs[j, e, d-1]: stage j ending at e with d units)."""
     best = np.full(L + 1, INF)
     best[0] = 0.0
     for c in costs:
@@ -348,19 +470,27 @@ def _minmax(costs: list[np.ndarray], start: np.ndarray, valid: np.ndarray, L: in
     return float(best[L]) if np.isfinite(best[L]) else None
 
 
-def _minsum(costs: list[np.ndarray], start: np.ndarray, valid: np.ndarray, L: int,
+def _minsum(costs: np.ndarray, start: np.ndarray, valid: np.ndarray, L: int,
             cap: float) -> tuple[float, list[tuple[int, int]]] | None:
     """Smallest sum of stage costs with every stage at most ``cap``; returns (sum,
     [(end, length)] per stage). Ties go to the shortest stage (np.argmin takes the first),
     so results are deterministic."""
     limit = cap * (1 + 1e-9)
+    # No stage longer than the longest run within the cap can be used: drop those columns.
+    within = costs <= limit
+    usable = np.nonzero(within.any(axis=(0, 1)))[0]
+    if len(usable) == 0:
+        return None
+    K = int(usable[-1]) + 1
+    costs = np.where(within[:, :, :K], costs[:, :, :K], INF)
+    start, valid = start[:, :K], valid[:, :K]
     best = np.full(L + 1, INF)
     best[0] = 0.0
     back = []
     rows = np.arange(L + 1)
     for c in costs:
         prev = np.where(valid, best[start], INF)
-        tot = prev + np.where(c <= limit, c, INF)
+        tot = prev + c
         arg = tot.argmin(axis=1)
         best = tot[rows, arg]
         back.append(arg)

@@ -12,6 +12,7 @@ maximum transient), which the tests check plan by plan.
 from __future__ import annotations
 
 from dataclasses import dataclass
+
 import numpy as np
 
 from autoplan.cluster import Cluster
@@ -141,6 +142,9 @@ class Tables:
         self._extra_bytes = cal.memory_overhead_bytes if cal is not None else 0.0
         self._tables: dict[tuple, LayerTable] = {}
         self._pool_first = [cluster.group_ranks(k).start for k in range(len(cluster.groups))]
+        self._node_of = np.array([slot.node for slot in cluster.slots])
+        self._pool_of = np.array([slot.group for slot in cluster.slots])
+        self._shapes: dict = {}
         self.built = 0
         """Tables built (for the search statistics)."""
         # Per-instance caches (an lru_cache on methods would keep every search's tables alive).
@@ -286,10 +290,36 @@ class Tables:
                 + (stack.dp_buffer_bytes if group.dp > 1 else 0.0) + self._extra_bytes)
 
     # -------------------------------------------------------------- comm
+    def shape(self, ranks) -> tuple:
+        """What ``collective_time`` reads off a group of ranks besides the message size: how
+        many ranks, over how many nodes, the fewest ranks on one node, and the node groups
+        (their links and devices). Groups of one shape cost the same (a test checks it), so
+        the cost model is asked once per shape, not once per group."""
+        n = len(ranks)
+        first, last = ranks[0], ranks[-1]
+        step = ranks[1] - first if n > 1 else 1
+        pool = self._pool_of[first]
+        # Data-parallel groups are evenly spaced ranks of one node group: their shape
+        # depends only on where they start within a node, the spacing and the count.
+        even = n > 1 and step > 0 and last == first + step * (n - 1) and self._pool_of[last] == pool \
+            and tuple(ranks) == tuple(range(first, last + 1, step))
+        if even:
+            gpn = self.cluster.groups[pool].gpus_per_node
+            key = (pool, (first - self._pool_first[pool]) % gpn, step, n)
+            hit = self._shapes.get(key)
+            if hit is not None:
+                return hit
+        idx = np.asarray(ranks)
+        _, per_node = np.unique(self._node_of[idx], return_counts=True)
+        out = (n, len(per_node), int(per_node.min()), frozenset(np.unique(self._pool_of[idx]).tolist()))
+        if even:
+            self._shapes[key] = out
+        return out
+
     def affine(self, ranks: tuple[int, ...], kind: str) -> tuple[float, float]:
         """(alpha, beta) with collective_time(ranks, x, kind) == alpha + beta * x for x > 0
         (the alpha-beta model is affine in the message size)."""
-        key = (ranks, kind)
+        key = (self.shape(ranks), kind)
         hit = self._affine.get(key)
         if hit is None:
             # Probe at sizes where neither term swamps the other (cancellation).
@@ -307,12 +337,13 @@ class Tables:
         hit = self._dp_affines.get(key)
         if hit is not None and hit[0] is group:
             return hit[1]
+        if group.dp <= 1:
+            out = ()
         else:
-            hit = () if group.dp <= 1 else tuple(self.affine(tuple(r), kind) for r in group.dp_groups())
             # Identical groups (the usual case) need one evaluation, not tp of them.
-            hit = tuple(sorted(set(hit)))
-            self._dp_affines[key] = (group, hit)
-        return hit
+            out = tuple(sorted({self.affine(tuple(r), kind) for r in group.dp_groups()}))
+        self._dp_affines[key] = (group, out)
+        return out
 
     def dp_collective(self, group: DeviceGroup, nbytes, kind: str):
         """Slowest data-parallel group's collective time (``nbytes`` may be an array)."""

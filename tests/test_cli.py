@@ -81,3 +81,94 @@ def test_user_errors_are_one_line(capsys, plan_file, args, needle):
 def test_module_entry_point_runs():
     proc = subprocess.run([sys.executable, "-m", "autoplan", "devices"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and "A100" in proc.stdout
+
+
+# ------------------------------------------------------------ argument traps
+def _many_groups(tmp_path) -> str:
+    groups = [{"name": f"g{i}", "device": "A100", "nodes": 1, "gpus_per_node": 8} for i in range(1000)]
+    path = tmp_path / "many.json"
+    path.write_text(json.dumps({"node_groups": groups}))
+    return str(path)
+
+
+def _deep_model(tmp_path) -> str:
+    cfg = {"model_type": "llama", "hidden_size": 512, "intermediate_size": 1376, "num_attention_heads": 8,
+           "num_hidden_layers": 10_000, "vocab_size": 32000, "max_position_embeddings": 2048}
+    path = tmp_path / "deep.json"
+    path.write_text(json.dumps(cfg))
+    return str(path)
+
+
+SEARCH = ["search", "--cluster", "examples/clusters/dgx-a100-1node.json", "--model", "gpt2-medium",
+          "--global-batch", "64"]
+ARG_TRAPS = {
+    # name: (argv, words in the one-line error). Each is refused before any work starts.
+    "top-k-zero": (SEARCH + ["--top-k", "0"], "--top-k"),
+    "top-k-negative": (SEARCH + ["--top-k", "-1"], "--top-k"),
+    "seq-len-zero": (SEARCH + ["--seq-len", "0"], "--seq-len"),
+    "global-batch-2-63": (SEARCH[:-1] + [str(2**63)], "--global-batch"),
+    "out-in-missing-dir": (SEARCH + ["--out", "no/such/dir/plan.json"], "does not exist"),
+    "out-is-a-dir": (SEARCH + ["--out", "examples"], "is a directory"),
+    "tp-not-dividing-heads": (SEARCH + ["--tp", "3"], "3 does not divide the model's 16 attention heads"),
+    "tp-zero": (SEARCH + ["--tp", "0"], "tp: must be integers in 1.."),
+    "thousand-node-groups": (["search", "--cluster", "{many}", "--model", "gpt2-medium", "--global-batch", "8"],
+                             "at most 64"),
+    "ten-thousand-layers": (["search", "--cluster", "examples/clusters/dgx-a100-1node.json", "--model", "{deep}",
+                             "--global-batch", "8"], "num_hidden_layers"),
+    "timeline-in-missing-dir": (["estimate", "--cluster", "examples/clusters/dgx-a100-1node.json", "--model",
+                                 "gpt2-medium", "--plan", "{plan}", "--timeline", "no/dir/t.png"], "--timeline"),
+    "memory-plot-is-a-dir": (["estimate", "--cluster", "examples/clusters/dgx-a100-1node.json", "--model",
+                              "gpt2-medium", "--plan", "{plan}", "--memory-plot", "examples"], "--memory-plot"),
+    "run-nnodes-zero": (["run", "{tiny}", "--model", "gpt-tiny", "--nnodes", "0", "--dry-run"], "--nnodes"),
+    "run-dry-steps-zero": (["run", "{tiny}", "--model", "gpt-tiny", "--steps", "0", "--dry-run"], "steps"),
+    "run-dry-negative-lr": (["run", "{tiny}", "--model", "gpt-tiny", "--lr", "-1", "--dry-run"], "lr"),
+    "run-out-in-missing-dir": (["run", "{tiny}", "--model", "gpt-tiny", "--out", "no/dir/r.json", "--dry-run"],
+                               "--out"),
+    "run-build-only-bad-rank": (["run", "{tiny}", "--model", "gpt-tiny", "--build-only", "--rank", "9"], "--rank"),
+    "export-out-in-missing-dir": (["export", "{plan}", "--to", "deepspeed", "--out", "no/dir/ds.json"], "--out"),
+}
+
+
+@pytest.fixture
+def tiny_plan_file(tmp_path):
+    """A plan the CPU runtime can run: gpt-tiny on two data-parallel ranks."""
+    model = autoplan.models.get("gpt-tiny", dtype="fp32")
+    cluster = autoplan.Cluster.load("examples/clusters/cpu-4ranks.json")
+    path = tmp_path / "tiny-plan.json"
+    autoplan.Plan.uniform(model, cluster, tp=1, pp=1, dp=2, micro_batch=1, global_batch=2, dtype="fp32").save(path)
+    return path
+
+
+@pytest.mark.parametrize("name", list(ARG_TRAPS), ids=list(ARG_TRAPS))
+def test_argument_traps_are_refused_up_front(name, capsys, plan_file, tiny_plan_file, tmp_path):
+    argv, words = ARG_TRAPS[name]
+    argv = [a.replace("{plan}", str(plan_file)).replace("{tiny}", str(tiny_plan_file)).replace("{many}", _many_groups(tmp_path) if a == "{many}" else a)
+            .replace("{deep}", _deep_model(tmp_path) if a == "{deep}" else a) for a in argv]
+    try:
+        code = main(argv)
+    except SystemExit as e:   # argparse's own usage errors
+        code = e.code
+    _, err = capsys.readouterr()
+    assert code == 2, err
+    assert words in err and "Traceback" not in err, err
+    assert len([line for line in err.strip().splitlines() if "error" in line]) == 1, err
+
+
+def test_gpu_backend_without_gpus_is_one_line(capsys, tiny_plan_file):
+    import torch
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    code, _, err = run_cli(capsys, "run", str(tiny_plan_file), "--model", "gpt-tiny", "--backend", "nccl",
+                           "--dry-run")
+    assert code == 2 and "nccl needs CUDA GPUs" in err and len(err.strip().splitlines()) == 1
+
+
+def test_an_assumed_network_is_said(capsys):
+    """A multi-node cluster without an inter-node link gets the default NIC, and says so."""
+    import warnings
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        cluster = autoplan.Cluster.homogeneous("A100", nodes=2, gpus_per_node=8)
+    assert any("assuming 12.5 GB/s" in str(w.message) for w in caught)
+    assert "assuming" in cluster.summary()
+    assert not autoplan.Cluster.homogeneous("A100", 2, 8, inter_node_GBps=25).assumptions()

@@ -149,7 +149,15 @@ BAD = {
     "fractional-layers": ({**LLAMA3_8B, "num_hidden_layers": 31.5}, "num_hidden_layers", "integer"),
     "zero-vocab": ({**GPT2, "vocab_size": 0}, "vocab_size", ">= 1"),
     "tie-not-bool": ({**LLAMA3_8B, "tie_word_embeddings": "no"}, "tie_word_embeddings", "true or false"),
-    "unknown-model-type": ({**LLAMA3_8B, "model_type": "t5"}, "model_type", "'gpt2'"),
+    "unknown-model-type": ({**LLAMA3_8B, "model_type": "t5"}, "model_type", "supported model types: llama"),
+    # A mixture-of-experts family must not be read as its dense neighbour (qwen2 for
+    # qwen3_moe would plan a model several times too small): no "did you mean", and
+    # expert keys under a dense model_type are refused.
+    "moe-family-unsupported": ({**LLAMA3_8B, "model_type": "olmoe", "num_experts": 64,
+                                "moe_intermediate_size": 1024, "num_experts_per_tok": 8},
+                               "model_type", "mixture-of-experts layers (num_experts"),
+    "experts-under-dense-type": ({**LLAMA3_8B, "model_type": "qwen2", "num_experts": 128,
+                                  "num_experts_per_tok": 8}, "num_experts", "dense family"),
     "heads-not-dividing-hidden": ({**LLAMA3_8B, "num_attention_heads": 30, "num_key_value_heads": 10},
                                   "hidden_size", "not divisible"),
     "kv-heads-not-dividing": ({**LLAMA3_8B, "num_key_value_heads": 5}, "num_key_value_heads", "multiple"),

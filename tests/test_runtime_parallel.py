@@ -49,7 +49,8 @@ def make_plan(pp=1, dp=1, tp=1, bounds=((0, 4),), mb=1, m=2, schedule="1f1b", v=
 # LayerNorm, GELU; llama-tiny: untied, RoPE, RMSNorm, SwiGLU, grouped-query attention.
 # Both have 4 units: embedding, 2 blocks, head.
 CASES_2 = {
-    "dp-replicate": ("gpt-tiny", make_plan(dp=2, m=2)),
+    "dp-ddp": ("gpt-tiny", make_plan(dp=2, m=2)),
+    "dp-ddp-gpipe-order": ("llama-tiny", make_plan(dp=2, m=3, schedule="gpipe")),
     "zero1": ("llama-tiny", make_plan(dp=2, m=2, zero=1)),
     "zero3": ("gpt-tiny", make_plan(dp=2, m=2, zero=3, recompute="full")),
     "tp": ("llama-tiny", make_plan(tp=2, m=2)),

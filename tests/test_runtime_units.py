@@ -140,9 +140,12 @@ def test_zoo_styles_map_to_dtensor_styles(name):
 
 
 DP_CASES = {
-    # name: (dp, zero, pp) -> (wrapper, reshard_after_forward)
+    # name: (dp, zero, pp[, tp, schedule, ep]) -> (wrapper, reshard_after_forward)
     "dp1": ((1, 3, 1), ("none", False)),
-    "zero0": ((2, 0, 1), ("replicate", False)),
+    "zero0": ((2, 0, 1), ("ddp", False)),
+    "zero0-under-pp": ((2, 0, 2), ("replicate", False)),
+    "zero0-with-tp": ((2, 0, 1, 2), ("replicate", False)),
+    "zero0-with-ep": ((2, 0, 1, 1, "1f1b", 2), ("replicate", False)),
     "zero1": ((2, 1, 1), ("fully_shard", False)),
     "zero2": ((2, 2, 2), ("fully_shard", False)),
     "zero3": ((2, 3, 1), ("fully_shard", True)),
@@ -170,6 +173,37 @@ def test_units_initialise_identically_however_the_model_is_split():
     assert whole[3].output.weight is not whole[0].tok_embeddings.weight
     other_seed = materialize_units(cfg, [1], seed=2)
     assert not torch.equal(other_seed[1].mlp.w1.weight, whole[1].mlp.w1.weight)
+
+
+SHARD_CASES = {
+    # name: (global shape, local block as (start, stop) per sharded dim)
+    "rows": ((10, 7), ((3, 8), (0, 7))),
+    "columns": ((10, 7), ((0, 10), (2, 5))),
+    "block-across-tiles": ((10, 7), ((1, 9), (2, 7))),
+    "vector": ((23,), ((5, 17),)),
+    "conv-like": ((6, 4, 3, 3), ((2, 6), (1, 3))),
+    "empty": ((10, 7), ((4, 4), (0, 7))),
+}
+
+
+@pytest.mark.parametrize("name", list(SHARD_CASES), ids=list(SHARD_CASES))
+def test_a_shard_is_initialised_to_its_slice_of_the_whole(name, monkeypatch):
+    """Shard-local initialisation gives every block exactly its values in the whole tensor
+    (tiles of 4 here, so blocks cross tile boundaries), for any block."""
+    from autoplan.runtime import build as B
+    monkeypatch.setattr(B, "INIT_TILE", 4)
+    shape, block = SHARD_CASES[name]
+    whole = torch.empty(shape)
+    B.fill_shard(whole, shape, (0,) * len(shape), ("normal", 0.02), seed=7, key="w")
+    sl = tuple(slice(a, b) for a, b in block)
+    local = torch.empty(whole[sl].shape)
+    B.fill_shard(local, shape, tuple(a for a, _ in block) + (0,) * (len(shape) - len(block)),
+                 ("normal", 0.02), seed=7, key="w")
+    assert torch.equal(local, whole[sl])
+    assert whole.std() > 0.005 or whole.numel() < 2
+    other = torch.empty(shape)
+    B.fill_shard(other, shape, (0,) * len(shape), ("normal", 0.02), seed=7, key="v")
+    assert not torch.equal(other, whole)
 
 
 def test_synthetic_stream_is_seeded_and_plan_independent():
@@ -318,26 +352,42 @@ def _args(*extra):
 
 
 CLI_CASES = {
-    # name: (extra args, plan ranks, expected fragments, unexpected fragments)
-    "one-node": ((), 2, ["--nproc-per-node=2", "--standalone", "-m", "autoplan.runtime.worker"], ["--nnodes"]),
+    # name: (extra args, plan ranks, expected fragments, unexpected fragments). One node:
+    # autoplan's own loopback launcher, no torchrun; several nodes: torchrun.
+    "one-node": ((), 2, ["-m", "autoplan.runtime.worker", "--model", "gpt-tiny"],
+                 ["torch.distributed.run", "--standalone", "--nnodes", "--nproc-per-node"]),
     "two-nodes": (("--nnodes", "2", "--node-rank", "1", "--rdzv-endpoint", "h0:29500"), 8,
-                  ["--nproc-per-node=4", "--nnodes=2", "--node-rank=1", "--rdzv-endpoint=h0:29500",
-                   "--rdzv-backend=c10d"], ["--standalone"]),
+                  ["torch.distributed.run", "--nproc-per-node=4", "--nnodes=2", "--node-rank=1",
+                   "--rdzv-endpoint=h0:29500", "--rdzv-backend=c10d", "autoplan.runtime.worker"], ["--standalone"]),
     "checkpointing": (("--checkpoint-dir", "ck", "--checkpoint-every", "5", "--no-resume"), 1,
-                      ["--checkpoint-dir", "ck", "--no-resume"], []),
+                      ["--checkpoint-dir", "ck", "--no-resume"], ["torch.distributed.run"]),
 }
 
 
 @pytest.mark.parametrize("name", list(CLI_CASES), ids=list(CLI_CASES))
-def test_torchrun_command(name):
-    from autoplan.commands.run import torchrun_command
+def test_launch_command(name, tmp_path, capsys):
+    from autoplan.cli import main
     extra, ranks, want, unwanted = CLI_CASES[name]
-    cmd = torchrun_command(_args(*extra), make_plan(dp=ranks, m=1))
-    assert cmd[1:3] == ["-m", "torch.distributed.run"]
+    make_plan(dp=ranks, m=1).save(tmp_path / "plan.json")
+    assert main(["run", str(tmp_path / "plan.json"), "--model", "gpt-tiny", "--dry-run",
+                 "--out", str(tmp_path / "run.json"), *extra]) == 0
+    cmd = capsys.readouterr().out.strip().splitlines()[-1].split()
     for w in want:
         assert w in cmd, (w, cmd)
     for u in unwanted:
         assert not any(c.startswith(u) for c in cmd), (u, cmd)
+
+
+def test_local_ranks_listen_on_loopback_only():
+    """A single-node run opens no rendezvous port: its ranks meet through a file in a
+    private directory, and gloo/NCCL are pointed at the loopback interface."""
+    from autoplan.runtime.launch import INIT_METHOD_ENV, loopback_interface, rank_env
+    env = rank_env({}, 1, 4, "file:///tmp/x/store")
+    assert env[INIT_METHOD_ENV].startswith("file://") and env["RANK"] == "1" and env["WORLD_SIZE"] == "4"
+    assert env["MASTER_ADDR"] == "127.0.0.1"
+    if loopback_interface():
+        assert env["GLOO_SOCKET_IFNAME"] == loopback_interface()
+    assert rank_env({"GLOO_SOCKET_IFNAME": "eth9"}, 0, 2, "file:///x")["GLOO_SOCKET_IFNAME"] == "eth9"
 
 
 def test_torchrun_command_refuses_a_wrong_process_count():

@@ -184,7 +184,8 @@ def test_mixed_cluster_search_finds_the_brute_force_optimum(case):
                     sequence_parallel=[False], progress=False)
     assert result.best.estimate.iteration_time_s == pytest.approx(best[0], rel=1e-9), \
         f"search {result.best.plan.describe()} vs brute force {best[1].describe()}"
-    assert result.stats.placement is not None and result.stats.placement.solves > 0
+    # Clusters this small have every device-group pipeline enumerated (no CP-SAT needed).
+    assert result.stats.placement is not None and result.stats.placement.enumerated == result.stats.skeletons > 0
 
 
 # ----------------------------------------------------------------- the result
@@ -218,8 +219,18 @@ def test_stats_account_for_every_candidate(mixed_result):
     assert s.pruned_memory_bound + s.pruned_time_bound + s.pruned_no_split + s.shortlisted <= s.candidates
     assert s.estimates >= len(result.ranked) and s.estimate_fit_mismatch == 0
     assert {"placement", "bounds", "split", "estimate"} <= set(s.phase_s)
-    assert s.placement.solves > 0 and s.placement.skeletons > 0
-    assert "CP-SAT" in s.summary() and "pruned" in s.summary()
+    assert s.placement.enumerated == s.placement.skeletons == s.skeletons > 0
+    assert "enumerated" in s.summary() and "pruned" in s.summary()
+    assert s.optimality_gap == 0 and not s.stopped_at_time_limit and s.lower_bound_s > 0
+
+
+def test_large_spaces_are_placed_by_cp_sat():
+    model = models.get("gpt3-1.3b")
+    cluster = Cluster.load("examples/clusters/small-mixed-v100-t4.json")
+    result = search(model, cluster, 64, max_exhaustive_pipelines=1, progress=False)
+    p = result.stats.placement
+    assert p.enumerated == 0 and p.solves > 0 and p.skeletons > 0 and "CP-SAT" in result.stats.summary()
+    assert result.best.estimate.fits
 
 
 def test_table_and_explain(mixed_result):
@@ -236,6 +247,20 @@ def test_search_is_deterministic():
     a = search(model, cluster, 8, progress=False)
     b = search(model, cluster, 8, progress=False)
     assert [rp.plan.to_dict() for rp in a.ranked] == [rp.plan.to_dict() for rp in b.ranked]
+
+
+def test_time_limit_returns_the_best_so_far_with_a_bound():
+    model = models.get("gpt2-medium")
+    cluster = Cluster.load("examples/clusters/small-mixed-v100-t4.json")
+    full = search(model, cluster, 32, progress=False)
+    quick = search(model, cluster, 32, time_limit=1e-3, progress=False)
+    assert full.stats.optimality_gap == 0 and not full.stats.stopped_at_time_limit
+    # No plan is faster than the lower bound; the complete search's best is one of them.
+    assert quick.stats.lower_bound_s <= full.stats.lower_bound_s * (1 + 1e-9)
+    assert quick.best.estimate.fits and quick.stats.optimality_gap >= 0
+    if quick.stats.stopped_at_time_limit:
+        assert quick.stats.unexplored > 0 and "time limit" in quick.stats.summary()
+        assert quick.best.predicted_s <= quick.stats.lower_bound_s * (1 + quick.stats.optimality_gap) * (1 + 1e-9)
 
 
 def test_fewer_gpus_are_reported_and_can_be_forbidden():

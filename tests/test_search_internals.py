@@ -281,3 +281,55 @@ def test_placement_can_be_forced_to_use_every_gpu():
 def test_setting_replace_keeps_other_fields():
     st = Setting(1, 8, "1f1b", 1, 0, False)
     assert replace(st, zero=3).zero == 3 and replace(st, zero=3).num_micro_batches == 8
+
+
+# ------------------------------------------------------- collectives by shape
+
+SHAPE_CLUSTERS = {
+    "homogeneous-8-per-node": Cluster.homogeneous("A100-80GB", 4, 8, inter_node_GBps=25),
+    "mixed-v100-t4": Cluster.load("examples/clusters/mixed-v100-t4.json"),
+}
+
+
+@pytest.mark.parametrize("name", SHAPE_CLUSTERS, ids=list(SHAPE_CLUSTERS))
+def test_collectives_read_by_shape_equal_the_cost_model(name):
+    """Tables asks collective_time once per group shape; every group of that shape must
+    cost what the cost model says for it (evenly spaced groups, odd ones, across node groups)."""
+    from costmodel.comm import collective_time
+    cluster = SHAPE_CLUSTERS[name]
+    tables = Tables(GPT, cluster)
+    n = cluster.num_gpus
+    groups = [tuple(range(s, n, step))[:count] for s in range(0, 12, 3) for step in (1, 2, 4, 8)
+              for count in (2, 3, 4, 8) if len(range(s, n, step)) >= count]
+    groups += [(0, 5, 6, 19), (1, 2, 17, 30), (n - 1, 0), tuple(range(n))]
+    for ranks in groups:
+        for kind in ("all_reduce", "all_gather", "reduce_scatter"):
+            alpha, beta = tables.affine(ranks, kind)
+            for nbytes in (1e6, 7e8):
+                assert alpha + beta * nbytes == pytest.approx(collective_time(cluster, ranks, nbytes, kind),
+                                                              rel=1e-9), (ranks, kind)
+
+
+def test_progress_bar_ticks_during_a_long_step():
+    """While one step runs long (a CP-SAT solve), the bar is redrawn with the elapsed
+    time, so it never looks frozen; after close() nothing more is written."""
+    import io
+    import time
+
+    from search import progress as P
+
+    class Tty(io.StringIO):
+        def isatty(self):
+            return True
+
+    stream = Tty()
+    bar = P.Progress(True, stream=stream)
+    bar.phase("placement", 3)
+    time.sleep(4 * P.TICK_S)          # no step() meanwhile
+    draws = stream.getvalue().count("\rsearch placement")
+    bar.close()
+    assert draws >= 3, stream.getvalue()
+    assert "s" in stream.getvalue().split("0/3")[-1]
+    after = stream.getvalue()
+    time.sleep(2 * P.TICK_S)
+    assert stream.getvalue() == after

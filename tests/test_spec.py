@@ -135,6 +135,68 @@ def test_from_module_measures_a_user_module():
     assert next(model.parameters()).device.type == "cpu"  # the user's module is untouched
 
 
+class _TinyLM:
+    """A user's language model in the usual shape: embeddings, a ModuleList of blocks,
+    a final norm and an output head (optionally tied), taking (ids[, mask])."""
+
+    @staticmethod
+    def build(tied: bool, vocab: int = 97, dim: int = 32, layers: int = 3, seq: int = 24):
+        import torch.nn as nn
+
+        class Block(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.norm = nn.LayerNorm(dim)
+                self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
+
+            def forward(self, x):
+                return x + self.mlp(self.norm(x))
+
+        class LM(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.tok = nn.Embedding(vocab, dim)
+                self.pos = nn.Embedding(seq, dim)
+                self.layers = nn.ModuleList(Block() for _ in range(layers))
+                self.norm = nn.LayerNorm(dim)
+                self.head = nn.Linear(dim, vocab, bias=False)
+                if tied:
+                    self.head.weight = self.tok.weight
+
+            def forward(self, ids, mask=None):
+                import torch
+                x = self.tok(ids) + self.pos(torch.arange(ids.shape[1], device=ids.device))
+                if mask is not None:
+                    x = x * mask.unsqueeze(-1)
+                for layer in self.layers:
+                    x = layer(x)
+                return self.head(self.norm(x))
+
+        return LM()
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+@pytest.mark.parametrize("inputs", ["ids", "ids-and-mask"])
+def test_from_module_counts_embedding_and_head_at_the_real_length(tied, inputs):
+    """Everything outside ``layers`` (embeddings, final norm, head) is part of the spec,
+    every parameter is counted once (a tied table too), FLOPs are those of the whole
+    forward at the example's sequence length, and a tuple of inputs works."""
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+    model = _TinyLM.build(tied)
+    ids = torch.randint(0, 97, (2, 24))
+    example = ids if inputs == "ids" else (ids, torch.ones(2, 24))
+    spec = autoplan.models.from_module(model, example, dtype="fp32")
+    assert [l.kind for l in spec.layers] == ["embedding", "block", "block", "block", "head"]
+    assert spec.num_params == sum(p.numel() for p in model.parameters())   # parameters() dedups ties
+    assert spec.seq_len == 24 and spec.tokens_per_sample == 24
+    with FlopCounterMode(display=False) as fc:
+        model(*(example if isinstance(example, tuple) else (example,)))[:1].float().sum()
+    per_sample = fc.get_total_flops() / 2
+    assert sum(l.flops_fwd.total for l in spec.layers) == pytest.approx(per_sample, rel=1e-6)
+    assert spec.layers[-1].flops_fwd.total == pytest.approx(2 * 24 * 32 * 97, rel=1e-6)
+
+
 @pytest.mark.parametrize("bad,field", [
     (dict(heads=7), "hidden"),
     (dict(kv_heads=5), "kv_heads"),

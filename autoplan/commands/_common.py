@@ -6,10 +6,26 @@ import argparse
 from autoplan.units import GiB
 
 
+def int_in(low: int, high: int):
+    """An argparse type: an integer in [low, high], else a one-line usage error."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"must be in {low}..{high:,}, got {value}")
+        return value
+    parse.__name__ = "integer"
+    return parse
+
+
 def add_model_args(p: argparse.ArgumentParser, required: bool = True) -> None:
+    from autoplan.limits import MAX_SEQ_LEN
     p.add_argument("--model", required=required,
                    help="zoo preset (see `autoplan models`) or a HuggingFace-style config.json")
-    p.add_argument("--seq-len", type=int, default=None, help="sequence length (default: the model's)")
+    p.add_argument("--seq-len", type=int_in(1, MAX_SEQ_LEN), default=None,
+                   help="sequence length (default: the model's)")
 
 
 def load_model(args, dtype: str = "bf16"):

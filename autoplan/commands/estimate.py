@@ -22,7 +22,11 @@ def register(sub) -> None:
 
 def run(args) -> int:
     from autoplan import Cluster, Plan
+    from autoplan.files import check_writable
     from costmodel import estimate
+    for flag, path in (("--timeline", args.timeline), ("--memory-plot", args.memory_plot)):
+        if path:
+            check_writable(path, "figure", flag)   # before the work, not after it
     cluster = Cluster.load(args.cluster)
     plan = Plan.load(args.plan)
     options = cost_model_options(args)
@@ -35,6 +39,8 @@ def run(args) -> int:
     else:
         print(f"model {model.describe()}")
         print(f"cluster {cluster.name}: {cluster.num_gpus} GPUs")
+        for note in cluster.assumptions():
+            print(f"note: {note}")
         print(est.summary())
         rows = []
         for g, (group, mem) in enumerate(zip(plan.groups, est.memory_by_group)):

@@ -3,7 +3,6 @@ engine's configuration (see autoplan.export and docs/export.md)."""
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 from autoplan.commands._common import add_model_args
 
@@ -32,12 +31,15 @@ def run(args) -> int:
     from autoplan.export import export
     from autoplan.plan import Plan
 
+    from autoplan.files import check_writable, write_text
+    if args.out:
+        check_writable(args.out, "export", "--out")
     plan = Plan.load(args.plan)
     cluster = Cluster.load(args.cluster) if args.cluster else None
     model = load_model(args, dtype=plan.dtype) if args.model else None
     result = export(plan, args.to, model, cluster=cluster, engine_version=args.engine_version)
     if args.out:
-        Path(args.out).write_text(result.text)
+        write_text(args.out, result.text)
         print(f"wrote {args.out} ({args.to} {result.engine_version})", file=sys.stderr)
     else:
         sys.stdout.write(result.text)

@@ -5,11 +5,20 @@ import json
 import sys
 import textwrap
 
-from autoplan.commands._common import add_cost_model_args, add_model_args, cost_model_options, load_model
+import argparse
+
+from autoplan.commands._common import add_cost_model_args, add_model_args, cost_model_options, int_in, load_model
+from autoplan.limits import MAX_GLOBAL_BATCH, MAX_TOP_K
 
 
 def _ints(text: str) -> list[int]:
-    return [int(x) for x in text.split(",") if x.strip()]
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers") from None
+    if not values:
+        raise argparse.ArgumentTypeError(f"{text!r} lists no integers, e.g. 1,2,4")
+    return values   # ranges are checked by search.space.Constraints (--zero takes 0)
 
 
 def _words(text: str) -> list[str]:
@@ -20,13 +29,16 @@ def register(sub) -> None:
     p = sub.add_parser("search", help="find the fastest plans that fit (searched, then ranked by the cost model)")
     p.add_argument("--cluster", required=True, help="cluster.json")
     add_model_args(p)
-    p.add_argument("--global-batch", type=int, required=True, help="samples (sequences) per iteration")
-    p.add_argument("--top-k", type=int, default=5, help="plans to show (default 5)")
+    p.add_argument("--global-batch", type=int_in(1, MAX_GLOBAL_BATCH), required=True,
+                   help="samples (sequences) per iteration")
+    p.add_argument("--top-k", type=int_in(1, MAX_TOP_K), default=5, help="plans to show (default 5)")
     p.add_argument("--out", default=None, metavar="PLAN_JSON",
                    help="write the best plan (with its estimate) for `autoplan estimate` / `autoplan run`")
     p.add_argument("--explain", action="store_true", help="say why the best plan beats the runner-up")
     p.add_argument("--json", action="store_true", help="print the ranking as JSON")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    p.add_argument("--time-limit", type=float, default=None, metavar="SECONDS",
+                   help="return the best plan found within this many seconds, with how far from optimal it may be")
     g = p.add_argument_group("narrow the search space (comma-separated lists)")
     g.add_argument("--tp", type=_ints, default=None, help="tensor-parallel degrees, e.g. 4,8")
     g.add_argument("--pp", type=_ints, default=None, help="pipeline depths")
@@ -55,6 +67,9 @@ def run(args) -> int:
     from autoplan.errors import NoPlanFitsError
     from search import search
 
+    if args.out:
+        from autoplan.files import check_writable
+        check_writable(args.out, "plan", "--out")   # before the search, not after it
     cluster = Cluster.load(args.cluster)
     if args.stack is None and args.target != "autoplan":
         from autoplan.stacks import TARGET_STACKS
@@ -73,6 +88,8 @@ def run(args) -> int:
     constraints["target"] = args.target
     if args.engine_version:
         constraints["engine_version"] = args.engine_version
+    if args.time_limit is not None:
+        constraints["time_limit"] = args.time_limit
     try:
         result = search(model, cluster, args.global_batch, **constraints)
     except NoPlanFitsError as e:
@@ -97,6 +114,8 @@ def run(args) -> int:
         from autoplan.engines import get_engine
         eng = get_engine(result.target, args.engine_version)
         print(f"plans {eng.title} {eng.version} can run (autoplan export --to {eng.name})")
+    for note in cluster.assumptions():
+        print(f"note: {note}")
     print()
     print(result.table(args.top_k))
     print()

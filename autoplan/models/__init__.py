@@ -17,7 +17,7 @@ from autoplan.errors import ConfigError
 from autoplan.models.config import SwinConfig, TransformerConfig
 from autoplan.models.spec import ActivationBytes, Gemm, LayerSpec, ModelSpec, Split
 
-__all__ = ["get", "for_stack", "transformer", "from_module", "from_config", "list_presets", "ModelSpec", "LayerSpec",
+__all__ = ["get", "for_stack", "is_config_path", "transformer", "from_module", "from_config", "list_presets", "ModelSpec", "LayerSpec",
            "Split", "Gemm", "ActivationBytes", "TransformerConfig", "SwinConfig"]
 
 
@@ -45,12 +45,11 @@ def get(source, dtype: str = "bf16", **overrides) -> ModelSpec:
         import dataclasses
         return from_config(dataclasses.replace(source, **overrides).resolved(), dtype)
     if isinstance(source, (str, os.PathLike)):
-        text = str(source)
-        if text.endswith(".json") or os.sep in text or Path(text).is_file():
+        if is_config_path(source):
             from autoplan.models.hf import config_from_hf
-            return from_config(config_from_hf(text, **overrides).resolved(), dtype)
+            return from_config(config_from_hf(source, **overrides).resolved(), dtype)
         from autoplan.models.presets import get_config
-        return from_config(get_config(text, **overrides), dtype)
+        return from_config(get_config(str(source), **overrides), dtype)
     raise ConfigError("model", f"cannot build a model from {type(source).__name__}",
                       "give a preset name, a config.json path, a config object or an nn.Module")
 
@@ -75,6 +74,23 @@ def for_stack(source, stack=None, dtype: str = "bf16", **overrides) -> ModelSpec
                                                                for k, v in kernels.items()):
         return from_config(dataclasses.replace(spec.config, **kernels).resolved(), dtype)
     return spec
+
+
+def is_config_path(source: str | os.PathLike) -> bool:
+    """Whether a ``--model`` value names a config.json (file or model directory) rather
+    than a zoo preset. A path is explicit when it is a path object, ends in .json or has a
+    directory separator; a bare word is a preset when one has that name, so a file in the
+    working directory that happens to be called like a preset (``gpt-tiny``) is never
+    loaded in its place; other bare words are read as files when they exist."""
+    if isinstance(source, os.PathLike):
+        return True
+    text = str(source)
+    if text.endswith(".json") or "/" in text or os.sep in text or (os.altsep and os.altsep in text):
+        return True
+    from autoplan.models.presets import PRESETS
+    if text.lower() in PRESETS:
+        return False
+    return Path(text).exists()
 
 
 def transformer(layers: int, hidden: int, heads: int, seq_len: int, vocab: int, ffn_hidden: int | None = None,

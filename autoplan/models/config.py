@@ -11,6 +11,9 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from autoplan.errors import ConfigError
+from autoplan.fields import check_int, check_text
+from autoplan.limits import (MAX_EXPERTS, MAX_FFN, MAX_HEADS, MAX_HIDDEN, MAX_LAYERS, MAX_SEQ_LEN, MAX_UNITS,
+                             MAX_VOCAB)
 
 ARCHS = ("gpt", "llama", "bert", "moe")
 NORMS = ("layernorm", "rmsnorm")
@@ -117,12 +120,25 @@ class TransformerConfig:
     def resolved(self) -> "TransformerConfig":
         """A copy with every family default filled in, validated."""
         c = self
+        check_text(c.name, "name")
         if c.arch not in ARCHS:
-            raise ConfigError("arch", f"{c.arch!r} is not one of {list(ARCHS)}")
-        for name in ("layers", "hidden", "heads", "seq_len", "vocab"):
+            raise ConfigError("arch", f"{str(c.arch)[:40]!r} is not one of {list(ARCHS)}")
+        for name, top in (("layers", MAX_LAYERS), ("hidden", MAX_HIDDEN), ("heads", MAX_HEADS),
+                          ("seq_len", MAX_SEQ_LEN), ("vocab", MAX_VOCAB)):
             v = getattr(c, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise ConfigError(name, f"must be a positive integer, got {v!r}")
+                raise ConfigError(name, f"must be a positive integer, got {str(v)[:40]!r}")
+            check_int(v, name, minimum=1, maximum=top)
+        for name, top in (("ffn_hidden", MAX_FFN), ("kv_heads", MAX_HEADS), ("head_dim", MAX_HIDDEN),
+                          ("max_positions", MAX_SEQ_LEN), ("num_experts", MAX_EXPERTS), ("top_k", MAX_EXPERTS)):
+            v = getattr(c, name)
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool)):
+                raise ConfigError(name, f"must be an integer, got {str(v)[:40]!r}")
+            check_int(v, name, minimum=0 if name in ("num_experts", "top_k") else 1, maximum=top)
+        for name in ("bias", "causal", "tie_embeddings", "fused_norm"):
+            v = getattr(c, name)
+            if v is not None and not isinstance(v, bool):
+                raise ConfigError(name, f"must be true or false, got {str(v)[:40]!r}")
         llama_like = c.arch in ("llama", "moe")
         defaults = dict(
             norm="rmsnorm" if llama_like else "layernorm",
@@ -256,6 +272,20 @@ class SwinConfig:
     arch: str = field(default="swin", init=False)
 
     def resolved(self) -> "SwinConfig":
+        check_text(self.name, "name")
+        for name, top in (("image_size", 65_536), ("patch_size", 65_536), ("embed_dim", MAX_HIDDEN),
+                          ("window", 65_536), ("mlp_ratio", 64), ("num_classes", MAX_VOCAB), ("in_channels", 1024)):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool):
+                raise ConfigError(name, f"must be a positive integer, got {str(v)[:40]!r}")
+            check_int(v, name, minimum=1, maximum=top)
+        for name in ("depths", "heads"):
+            v = getattr(self, name)
+            if not isinstance(v, tuple) or not 1 <= len(v) <= 16 or not all(
+                    isinstance(x, int) and not isinstance(x, bool) and 1 <= x <= MAX_HEADS for x in v):
+                raise ConfigError(name, f"must be 1 to 16 positive integers, got {str(v)[:60]}")
+        if sum(self.depths) + 2 > MAX_UNITS:
+            raise ConfigError("depths", f"{sum(self.depths)} blocks, at most {MAX_UNITS - 2} are supported")
         if len(self.depths) != len(self.heads):
             raise ConfigError("heads", f"needs one entry per stage ({len(self.depths)}), got {len(self.heads)}")
         if self.image_size % self.patch_size:

@@ -24,6 +24,7 @@ import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode, flop_registry
 
+from autoplan.errors import ConfigError
 from autoplan.models.spec import ActivationBytes, ExpertSpec, Gemm, LayerSpec, ModelSpec, Split
 
 _aten = torch.ops.aten
@@ -371,15 +372,15 @@ def _measure(unit: nn.Module, x: torch.Tensor, loss=None) -> _Measurement:
     """Run one unit forward and backward on meta and record what it costs."""
     params = float(sum(p.numel() for p in unit.parameters()))
     param_storages = {p.untyped_storage()._cdata for p in unit.parameters()}
-    if x.is_floating_point():
-        x = x.detach().requires_grad_(True)
+    xs = tuple(t.detach().requires_grad_(True) if t.is_floating_point() else t
+               for t in (x if isinstance(x, tuple) else (x,)))
     saved = _SavedBytes(param_storages)
     census_f = _CensusMode()
     nodes = _ExpertNodes()
     with _flag_cores(unit, [saved, census_f]), _flag_experts(unit, [saved, census_f], nodes):
         with FlopCounterMode(display=False) as fc_f:
             with census_f, torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t):
-                out = unit(x)
+                out = unit(*xs)
                 scalar = loss(out) if loss is not None else out.float().sum()
     # Inputs of the core (q, k, v) stay saved when the core is recomputed.
     core_saved = sum(n for k, n in saved.core.items() if k not in saved.core_inputs)
@@ -392,7 +393,7 @@ def _measure(unit: nn.Module, x: torch.Tensor, loss=None) -> _Measurement:
         fwd=census_f.census, bwd=census_b.census, saved_bytes=float(sum(saved.seen.values())),
         core_saved_bytes=float(core_saved), expert_params=expert_params,
         expert_saved_bytes=float(sum(saved.experts.values())), dispatch_bytes=float(nodes.input_bytes),
-        input_bytes=float(x.nbytes),
+        input_bytes=float(sum(t.nbytes for t in xs)),
         output_bytes=float(out.nbytes) if loss is None else 0.0, output=out.detach())
 
 
@@ -451,7 +452,7 @@ def _tp_allreduces(unit: nn.Module) -> int:
 
 
 def _layer_spec(name: str, unit: nn.Module, base: _Measurement, wide: _Measurement | None,
-                batch2: _Measurement, causal: bool, sharded: bool,
+                batch2: _Measurement, causal: bool, sharded: bool, kind: str | None = None,
                 capacity_factor: float | None = None) -> LayerSpec:
     def sp(attr_base, attr_wide):
         return _split(attr_base, attr_wide) if wide is not None else Split(replicated=attr_base)
@@ -469,7 +470,7 @@ def _layer_spec(name: str, unit: nn.Module, base: _Measurement, wide: _Measureme
                              activation_bytes=sp(base.expert_saved_bytes, w.expert_saved_bytes),
                              dispatch_bytes=base.dispatch_bytes, capacity_factor=capacity_factor)
     return LayerSpec(
-        name=name, kind=_unit_kind(unit),
+        name=name, kind=kind or _unit_kind(unit),
         params=sp(base.params, w.params),
         flops_fwd=sp(base.flops_fwd, w.flops_fwd), flops_bwd=sp(base.flops_bwd, w.flops_bwd),
         gemms_fwd=_gemms(base.fwd.gemms, wide.fwd.gemms if wide else None, batch2.fwd.gemms),
@@ -569,7 +570,7 @@ def spec_from_config(cfg, dtype: str = "bf16") -> ModelSpec:
         wide = runs["wide"][i][1] if shardable else None
         kind = _unit_kind(unit)
         layers.append(_layer_spec(kind, unit, m, wide, runs["batch2"][i][1], causal, shardable,
-                                  getattr(cfg, "capacity_factor", None)))
+                                  capacity_factor=getattr(cfg, "capacity_factor", None)))
     if uniform:
         emb, head = layers[0], layers[-1]
         blocks = [layers[1]] * (cfg.dense_layers if dense else 0)
@@ -605,31 +606,190 @@ def _meta_copy(module: nn.Module) -> nn.Module:
     return copy.deepcopy(module, memo)
 
 
-def spec_from_module(module: nn.Module, example_inputs: torch.Tensor, name: str = "module",
+class _Stop(Exception):
+    """Ends a forward pass early, carrying the input of the first pipeline unit."""
+
+    def __init__(self, value):
+        super().__init__()
+        self.value = value
+
+
+def _first_input(args, kwargs):
+    return args[0] if args else next(iter(kwargs.values()))
+
+
+class _Prefix(nn.Module):
+    """What a module computes before its first pipeline unit (token and position
+    embeddings, ...): its forward runs until ``first`` is called and returns that call's
+    input."""
+
+    def __init__(self, module: nn.Module, first: nn.Module):
+        super().__init__()
+        self.module, self.first = module, first
+
+    def forward(self, *inputs):
+        def stop(_m, args, kwargs):
+            raise _Stop(_first_input(args, kwargs))
+        handle = self.first.register_forward_pre_hook(stop, with_kwargs=True)
+        try:
+            self.module(*inputs)
+        except _Stop as s:
+            return s.value
+        finally:
+            handle.remove()
+        raise ConfigError("model", f"{type(self.module).__name__}.forward never calls its first layer")
+
+
+class _Inject(nn.Module):
+    """Stands in for every pipeline unit: ignores its input and returns ``value``."""
+
+    def __init__(self, value):
+        super().__init__()
+        self.value = value
+
+    def forward(self, *args, **kwargs):
+        return self.value
+
+
+class _Suffix(nn.Module):
+    """What a module computes after its last pipeline unit (final norm, output head):
+    the module's forward with every unit replaced by one handing out ``hidden``. The
+    part before the units runs too but feeds nothing backward; its forward figures are
+    taken out afterwards (see :func:`_minus`)."""
+
+    def __init__(self, module: nn.Module, inputs: tuple):
+        super().__init__()
+        self.module, self.inputs = module, inputs
+
+    def forward(self, hidden):
+        units = self.module.layers
+        self.module.layers = nn.ModuleList(_Inject(hidden) for _ in units)
+        try:
+            return self.module(*self.inputs)
+        finally:
+            self.module.layers = units
+
+
+def _called(run, module: nn.Module) -> list[nn.Module]:
+    """The sub-modules of ``module`` whose forward ``run()`` calls, in call order."""
+    called: list[nn.Module] = []
+    handles = [m.register_forward_pre_hook(lambda m, _a: called.append(m)) for m in module.modules()]
+    try:
+        run()
+    finally:
+        for h in handles:
+            h.remove()
+    return called
+
+
+def _params_of(modules: list[nn.Module], skip: set[int]) -> list[nn.Parameter]:
+    """Distinct parameters held directly by ``modules``, except modules with ids in ``skip``."""
+    seen, out = set(), []
+    for m in modules:
+        if id(m) in skip:
+            continue
+        for p in m.parameters(recurse=False):
+            if id(p) not in seen:
+                seen.add(id(p))
+                out.append(p)
+    return out
+
+
+def _minus(total: _Measurement, part: _Measurement) -> _Measurement:
+    """``total``'s forward figures less ``part``'s (its backward is total's own)."""
+    fwd = _Census(gemms=total.fwd.gemms[len(part.fwd.gemms):],
+                  attention_flops=max(total.fwd.attention_flops - part.fwd.attention_flops, 0.0),
+                  memory_bytes=max(total.fwd.memory_bytes - part.fwd.memory_bytes, 0.0),
+                  core_memory_bytes=max(total.fwd.core_memory_bytes - part.fwd.core_memory_bytes, 0.0),
+                  kernels=max(total.fwd.kernels - part.fwd.kernels, 0))
+    return dataclasses.replace(total, flops_fwd=max(total.flops_fwd - part.flops_fwd, 0.0), fwd=fwd,
+                               saved_bytes=max(total.saved_bytes - part.saved_bytes, 0.0),
+                               core_saved_bytes=max(total.core_saved_bytes - part.core_saved_bytes, 0.0))
+
+
+def _as_tuple(example_inputs) -> tuple:
+    if isinstance(example_inputs, torch.Tensor):
+        return (example_inputs,)
+    if isinstance(example_inputs, (tuple, list)) and example_inputs and all(
+            isinstance(t, torch.Tensor) for t in example_inputs):
+        return tuple(example_inputs)
+    raise ConfigError("example_inputs", f"must be a tensor or a tuple of tensors, got {type(example_inputs).__name__}",
+                      "pass e.g. torch.randint(0, vocab, (1, seq_len)) or (input_ids, attention_mask)")
+
+
+def _sample(inputs: tuple, n: int, dtype) -> tuple:
+    """``n`` samples of every input on meta (sample 0 repeated), floats in ``dtype``."""
+    out = []
+    for t in inputs:
+        if t.dim() == 0:
+            raise ConfigError("example_inputs", "needs a batch dimension first", "e.g. shape (1, seq_len)")
+        x = t[:1].to("meta")
+        x = x.expand(n, *x.shape[1:]).contiguous() if n > 1 else x
+        out.append(x.to(dtype) if x.is_floating_point() else x)
+    return tuple(out)
+
+
+def _tokens_per_sample(x: torch.Tensor) -> int:
+    """The sequence length of a sample: dimension 1 of token ids [batch, seq] or of hidden
+    states [batch, seq, hidden]; 1 for other inputs (images, feature vectors)."""
+    if (not x.is_floating_point() and x.dim() == 2) or (x.is_floating_point() and x.dim() == 3):
+        return int(x.shape[1])
+    return 1
+
+
+def spec_from_module(module: nn.Module, example_inputs, name: str = "module",
                      dtype: str = "bf16", loss=None) -> ModelSpec:
-    """Measure any ``nn.Module`` whose pipeline units are ``module.layers`` (a ModuleList
+    """Measure any ``nn.Module``. Its pipeline units are ``module.layers`` (a ModuleList
     chained one tensor to the next) or the children of an ``nn.Sequential``; other modules
-    become a single unit. Run on meta copies of the inputs; parameters are not touched."""
-    if isinstance(getattr(module, "layers", None), nn.ModuleList):
-        units = list(module.layers)
-    elif isinstance(module, nn.Sequential):
-        units = list(module)
-    else:
-        units = [module]
+    become a single unit. With ``layers``, what the forward computes before the first
+    unit (embeddings) and after the last (final norm, output head) become units of their
+    own, so the spec counts every parameter and FLOP the model has. ``example_inputs`` is
+    a tensor or a tuple of tensors (batch first, at the sequence length to plan for);
+    they are copied to meta, and the module's parameters are not touched."""
+    inputs = _as_tuple(example_inputs)
     torch_dtype = _DTYPES[dtype]
-    meta_units = [_meta_copy(u).to(torch_dtype) for u in units]
-    # Costs are per sample: measure one sample, and two to see which dimensions grow.
-    x = example_inputs[:1].to("meta")
-    if x.is_floating_point():
-        x = x.to(torch_dtype)
-    layers = []
-    for i, unit in enumerate(meta_units):
-        last = i == len(meta_units) - 1 and loss is not None
-        x2 = torch.cat([x, x], 0) if x.dim() > 0 else x
-        m = _measure_last(unit, x, loss) if last else _measure(unit, x)
-        m2 = _measure_last(unit, x2, loss) if last else _measure(unit, x2)
-        layers.append(_layer_spec(f"{type(unit).__name__.lower()}.{i}", unit, m, None, m2, False, False))
-        x = m.output
-    seq = example_inputs.shape[1] if example_inputs.dim() > 1 else 1
+    model = _meta_copy(module).to(torch_dtype)
+    has_layers = isinstance(getattr(model, "layers", None), nn.ModuleList) and len(model.layers) > 0
+    one, two = _sample(inputs, 1, torch_dtype), _sample(inputs, 2, torch_dtype)
+    seq = _tokens_per_sample(one[0])
+
+    def measure(unit, x, last, params=None):
+        m = _measure_last(unit, x, loss) if last and loss is not None else _measure(unit, x)
+        return dataclasses.replace(m, params=float(sum(p.numel() for p in params))) if params is not None else m
+
+    layers: list[LayerSpec] = []
+    shared = 0.0
+    if has_layers:
+        units = set()
+        for u in model.layers:
+            units |= {id(m) for m in u.modules()}
+        prefix = _Prefix(model, model.layers[0])
+        pre_called = _called(lambda: prefix(*one), model)
+        pre_params = _params_of(pre_called, units)
+        pre = [measure(prefix, xs, False, pre_params) for xs in (one, two)]
+        hidden = [pre[0].output, pre[1].output]
+        layers.append(_layer_spec("embedding.0", prefix, pre[0], None, pre[1], False, False, kind="embedding"))
+        for i, unit in enumerate(model.layers):
+            ms = [measure(unit, h, False) for h in hidden]
+            layers.append(_layer_spec(f"{type(unit).__name__.lower()}.{i}", unit, ms[0], None, ms[1], False, False,
+                                      kind="block"))
+            hidden = [m.output for m in ms]
+        suffixes = [_Suffix(model, xs) for xs in (one, two)]
+        pre_ids = {id(m) for m in pre_called}
+        post_called = _called(lambda: suffixes[0](hidden[0]), model)
+        post_params = _params_of([m for m in post_called if id(m) not in pre_ids], units)
+        post = [_minus(measure(sfx, h, True, post_params), p) for sfx, h, p in zip(suffixes, hidden, pre)]
+        layers.append(_layer_spec("head.0", suffixes[0], post[0], None, post[1], False, False, kind="head"))
+        pre_param_ids = {id(p) for p in pre_params}
+        shared = float(sum(p.numel() for p in post_params if id(p) in pre_param_ids))
+    else:
+        units = list(model) if isinstance(model, nn.Sequential) else [model]
+        if len(inputs) > 1 and len(units) > 1:
+            raise ConfigError("example_inputs", "an nn.Sequential takes one input tensor", "pass a single tensor")
+        xs = [one, two]
+        for i, unit in enumerate(units):
+            ms = [measure(unit, x, i == len(units) - 1) for x in xs]
+            layers.append(_layer_spec(f"{type(unit).__name__.lower()}.{i}", unit, ms[0], None, ms[1], False, False))
+            xs = [m.output for m in ms]
     return ModelSpec(name=name, layers=tuple(layers), seq_len=seq, dtype=dtype, config=None,
-                     tokens_per_sample=seq, tp_shardable=False)
+                     tokens_per_sample=seq, tp_shardable=False, shared_params=shared)

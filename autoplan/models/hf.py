@@ -6,18 +6,20 @@ activation names, ...) is ignored. Every problem is a ConfigError naming the off
 """
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 from typing import Any, Mapping
 
 from autoplan.errors import ConfigError
-from autoplan.fields import FieldReader
+from autoplan.fields import FieldReader, load_json
 from autoplan.models.config import TransformerConfig
 from autoplan.models.presets import apply_overrides
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "mixtral", "qwen2", "gpt2", "gpt_neox", "bert")
 SUPPORTED_MODEL_TYPES += ("qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3")   # mixtures of experts
+
+MAX_CONFIG_BYTES = 4 * 2**20
+"""A config.json is a few kilobytes; anything far larger is not one."""
 
 DEFAULT_MAX_SEQ_LEN = 4096
 """seq_len defaults to min(max_position_embeddings, this): long-context models (128k) are
@@ -118,17 +120,35 @@ def _load(source: str | os.PathLike | Mapping) -> tuple[Any, str, Path | None]:
     path = Path(source)
     if path.is_dir():
         path = path / "config.json"
-    try:
-        text = path.read_text()
-    except FileNotFoundError:
-        raise ConfigError(str(path), "file not found") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise ConfigError(str(path), f"cannot be read ({e})") from None
-    try:
-        return json.loads(text), path.name, path
-    except json.JSONDecodeError as e:
-        raise ConfigError(str(path), f"is not valid JSON (line {e.lineno}, column {e.colno}: "
-                                     f"{e.msg})") from None
+    return load_json(path, "file", max_bytes=MAX_CONFIG_BYTES), path.name, path
+
+
+# Keys of mixture-of-experts configs (Qwen-MoE, DeepSeek, OLMoE, DBRX, ...). A family read
+# as dense would drop them silently and plan for a model several times too small.
+_EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts", "num_experts_per_tok",
+                "moe_intermediate_size", "shared_expert_intermediate_size", "n_shared_experts")
+
+
+def _model_type(r: FieldReader) -> str:
+    model_type = r.str("model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        # No "did you mean": a neighbouring family name (qwen2 for qwen3_moe) is a
+        # different architecture, and loading the file under it would plan a wrong model.
+        experts = [k for k in _EXPERT_KEYS if r.has(k)]
+        missing = (f"its mixture-of-experts layers ({', '.join(experts)})" if experts
+                   else "its layer layout")
+        raise ConfigError(r.path("model_type"), f"{model_type[:60]!r} is not supported: autoplan does not "
+                          f"read {missing}", f"supported model types: {', '.join(SUPPORTED_MODEL_TYPES)}; "
+                          "or describe the model with autoplan.models.transformer(...)")
+    if _FAMILY[model_type][0] != "moe":
+        for key in _EXPERT_KEYS:
+            value = r.raw(key, None)
+            if value not in (None, 0, 1, False):
+                raise ConfigError(r.path(key), f"is set ({str(value)[:20]}), but model_type {model_type!r} is a "
+                                  "dense family: its experts would be ignored and the model planned too small",
+                                  "give the model's real model_type; mixture-of-experts configs are read for "
+                                  "model_type 'mixtral'")
+    return model_type
 
 
 def config_from_hf(source: str | os.PathLike | Mapping, **overrides: Any) -> TransformerConfig:
@@ -140,7 +160,7 @@ def config_from_hf(source: str | os.PathLike | Mapping, **overrides: Any) -> Tra
     """
     data, where, path = _load(source)
     r = FieldReader(data, where)
-    model_type = r.str("model_type", choices=SUPPORTED_MODEL_TYPES)
+    model_type = _model_type(r)
     arch, position, tie_default = _FAMILY[model_type]
     gpt2 = model_type == "gpt2"
     keys = _GPT2_KEYS if gpt2 else _KEYS

@@ -46,9 +46,24 @@ class Environment:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict) -> "Environment":
-        known = {f for f in cls.__dataclass_fields__}
-        return cls(**{k: v for k, v in d.items() if k in known})
+    def from_dict(cls, d: dict, where: str = "environment") -> "Environment":
+        from autoplan.fields import FieldReader
+        return cls.read(FieldReader(d, where))
+
+    @classmethod
+    def read(cls, r) -> "Environment":
+        """From a :class:`~autoplan.fields.FieldReader` over a profile's ``environment``;
+        every field typed (unknown ones, from newer versions, are ignored)."""
+        text = {"command": True}
+        values = {}
+        for name in cls.__dataclass_fields__:
+            if name == "threads":
+                values[name] = r.int(name, minimum=0, maximum=1_000_000)
+            elif name in ("device", "device_kind", "hardware", "torch_version"):
+                values[name] = r.str(name)
+            else:
+                values[name] = r.str(name, "", multiline=text.get(name, False))
+        return cls(**values)
 
     def same_machine(self, other: "Environment") -> bool:
         """Whether measurements of ``other`` may be merged with ours in one file."""

@@ -277,16 +277,32 @@ class AlphaBeta:
 
     latency_s: float
     """Per-step latency (alpha)."""
-    bandwidth: float
-    """Achieved bytes/s (beta), as the cost model's ring formulas count bytes."""
+    bandwidth: float | None
+    """Achieved bytes/s (beta), as the cost model's ring formulas count bytes; None when
+    the sweep could not resolve it (the time did not grow with the message size, e.g.
+    sizes too small for the link, or noise from other load larger than the transfer)."""
     rms_rel_error: float
     """Root-mean-square relative error of the fit over its samples."""
     samples: int
     """Measurements fitted."""
 
+    @property
+    def resolved(self) -> bool:
+        return self.bandwidth is not None
+
     def to_dict(self) -> dict:
-        return {"latency_us": self.latency_s * 1e6, "bandwidth_GBps": self.bandwidth / 1e9,
-                "rms_rel_error": self.rms_rel_error, "points": self.samples}
+        out = {"latency_us": self.latency_s * 1e6,
+               "bandwidth_GBps": self.bandwidth / 1e9 if self.bandwidth is not None else None,
+               "rms_rel_error": self.rms_rel_error, "points": self.samples}
+        if self.bandwidth is None:
+            out["note"] = ("bandwidth not resolvable at these sizes: the time did not grow with the message "
+                           "size; measure larger messages (--link-sizes) on a quieter machine")
+        return out
+
+
+MIN_BANDWIDTH_TIME_SHARE = 0.05
+"""The bandwidth term must explain at least this share of the largest message's time to
+count as measured; below it the fitted 1/beta is noise (and its inverse meaningless)."""
 
 
 def fit_alpha_beta(steps: list[float], moved: list[float], times: list[float]) -> AlphaBeta:
@@ -303,5 +319,7 @@ def fit_alpha_beta(steps: list[float], moved: list[float], times: list[float]) -
     alpha, inv_beta = sol * scale
     pred = A @ np.array([alpha, inv_beta])
     rms = float(np.sqrt(np.mean((pred / t - 1) ** 2)))
-    return AlphaBeta(latency_s=float(alpha), bandwidth=float(1 / inv_beta) if inv_beta > 0 else float("inf"),
+    largest = int(np.argmax(A[:, 1]))
+    resolved = inv_beta > 0 and A[largest, 1] * inv_beta >= MIN_BANDWIDTH_TIME_SHARE * t[largest]
+    return AlphaBeta(latency_s=float(alpha), bandwidth=float(1 / inv_beta) if resolved else None,
                      rms_rel_error=rms, samples=len(t))

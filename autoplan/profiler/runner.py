@@ -81,9 +81,11 @@ class ProfileResult:
         if len(self.refused) > 10:
             lines.append(f"  ... and {len(self.refused) - 10} more refused")
         if self.links:
+            bw = self.links["bandwidth_GBps"]
             lines.append(f"link intra_node ({self.links['backend']}, {self.links['world_size']} ranks): "
-                         f"{self.links['latency_us']:.1f} us + {self.links['bandwidth_GBps']:.3f} GB/s "
-                         f"(rms error {self.links['rms_rel_error']:.0%})")
+                         f"{self.links['latency_us']:.1f} us + "
+                         + (f"{bw:.3f} GB/s" if bw is not None else "bandwidth not resolvable at these sizes")
+                         + f" (rms error {self.links['rms_rel_error']:.0%})")
             if self.links.get("unsupported"):
                 lines.append(f"  not supported by {self.links['backend']}: {', '.join(self.links['unsupported'])}")
         return "\n".join(lines)
@@ -128,7 +130,8 @@ def _configs(model, seq_lens: Sequence[int] | None) -> list[tuple[str, Transform
             raise ConfigError("model", "Swin models are not profiled per layer (their stages differ "
                               "in shape)", "profile a transformer; Swin estimates use the roofline")
         text = str(model)
-        if text.endswith(".json") or os.sep in text or Path(text).is_file():
+        from autoplan.models import is_config_path
+        if is_config_path(model):
             from autoplan.models.hf import config_from_hf
             return config_from_hf(text, **over).resolved()
         from autoplan.models.presets import PRESETS, get_config

@@ -20,6 +20,7 @@ import math
 from dataclasses import dataclass
 
 from autoplan.errors import ConfigError
+from autoplan.limits import MAX_EXPERTS, MAX_TOP_K
 from autoplan.models.config import TransformerConfig
 from autoplan.models.spec import ActivationBytes, ExpertSpec, Gemm, LayerSpec, Split
 
@@ -117,30 +118,57 @@ def spec_to_dict(layer: LayerSpec) -> dict:
     return dataclasses.asdict(layer)
 
 
-def spec_from_dict(d: dict) -> LayerSpec:
-    """Inverse of :func:`spec_to_dict`."""
-    def split(x) -> Split:
-        return Split(**x)
+def spec_from_dict(d: dict, where: str = "spec") -> LayerSpec:
+    """Inverse of :func:`spec_to_dict`, validating every field (finite non-negative
+    figures, known kinds and dimensions)."""
+    from autoplan.fields import FieldReader
 
+    r = FieldReader(d, where)
+
+    def num(rr: FieldReader, key: str, default=None) -> float:
+        return rr.float(key, default, minimum=0.0, maximum=1e30)
+
+    def split(key: str, rr: FieldReader = r) -> Split:
+        x = rr.sub(key)
+        x.reject_unknown(("replicated", "sharded"))
+        return Split(replicated=num(x, "replicated", 0.0), sharded=num(x, "sharded", 0.0))
+
+    def gemms(key: str) -> tuple[Gemm, ...]:
+        out = []
+        r.list(key, max_len=100_000)
+        for g in r.items(key):
+            g.reject_unknown(("m", "n", "k", "count", "shard_dim", "batch_dim", "in_core"))
+            out.append(Gemm(m=num(g, "m"), n=num(g, "n"), k=num(g, "k"), count=num(g, "count", 1.0),
+                            shard_dim=g.str("shard_dim", "", choices=("", "m", "n", "k", "count")),
+                            batch_dim=g.str("batch_dim", "m", choices=("m", "n", "k", "count")),
+                            in_core=g.bool("in_core", False)))
+        return tuple(out)
+
+    def experts(x: FieldReader | None) -> ExpertSpec | None:
+        if x is None:
+            return None
+        x.reject_unknown(("num_experts", "top_k", "params", "activation_bytes", "dispatch_bytes", "capacity_factor"))
+        return ExpertSpec(num_experts=x.int("num_experts", minimum=1, maximum=MAX_EXPERTS),
+                          top_k=x.int("top_k", minimum=1, maximum=MAX_TOP_K),
+                          params=split("params", x), activation_bytes=split("activation_bytes", x),
+                          dispatch_bytes=num(x, "dispatch_bytes"),
+                          capacity_factor=x.float("capacity_factor", positive=True, maximum=1e6)
+                          if x.has("capacity_factor") else None)
+
+    act = r.sub("activation_bytes")
+    act.reject_unknown(("none", "selective", "full"))
     return LayerSpec(
-        name=d["name"], kind=d["kind"], params=split(d["params"]), flops_fwd=split(d["flops_fwd"]),
-        flops_bwd=split(d["flops_bwd"]),
-        gemms_fwd=tuple(Gemm(**g) for g in d["gemms_fwd"]), gemms_bwd=tuple(Gemm(**g) for g in d["gemms_bwd"]),
-        attention_flops_fwd=split(d["attention_flops_fwd"]), attention_flops_bwd=split(d["attention_flops_bwd"]),
-        memory_bytes_fwd=split(d["memory_bytes_fwd"]), memory_bytes_bwd=split(d["memory_bytes_bwd"]),
-        core_memory_bytes_fwd=split(d["core_memory_bytes_fwd"]),
-        kernels_fwd=int(d["kernels_fwd"]), kernels_bwd=int(d["kernels_bwd"]),
-        activation_bytes=ActivationBytes(**{k: split(v) for k, v in d["activation_bytes"].items()}),
-        output_bytes=float(d["output_bytes"]), tp_allreduces_fwd=int(d["tp_allreduces_fwd"]),
-        causal=bool(d["causal"]), experts=_experts_from_dict(d.get("experts")))
-
-
-def _experts_from_dict(d: dict | None) -> ExpertSpec | None:
-    if d is None:
-        return None
-    return ExpertSpec(num_experts=int(d["num_experts"]), top_k=int(d["top_k"]), params=Split(**d["params"]),
-                      activation_bytes=Split(**d["activation_bytes"]), dispatch_bytes=float(d["dispatch_bytes"]),
-                      capacity_factor=d.get("capacity_factor"))
+        name=r.str("name"), kind=r.str("kind"),
+        params=split("params"), flops_fwd=split("flops_fwd"), flops_bwd=split("flops_bwd"),
+        gemms_fwd=gemms("gemms_fwd"), gemms_bwd=gemms("gemms_bwd"),
+        attention_flops_fwd=split("attention_flops_fwd"), attention_flops_bwd=split("attention_flops_bwd"),
+        memory_bytes_fwd=split("memory_bytes_fwd"), memory_bytes_bwd=split("memory_bytes_bwd"),
+        core_memory_bytes_fwd=split("core_memory_bytes_fwd"),
+        kernels_fwd=r.int("kernels_fwd", minimum=0, maximum=10**9),
+        kernels_bwd=r.int("kernels_bwd", minimum=0, maximum=10**9),
+        activation_bytes=ActivationBytes(**{k: split(k, act) for k in ("none", "selective", "full")}),
+        output_bytes=num(r, "output_bytes"), tp_allreduces_fwd=r.int("tp_allreduces_fwd", minimum=0, maximum=10**6),
+        causal=r.bool("causal"), experts=experts(r.sub("experts", None)))
 
 
 # ------------------------------------------------------------------ shard configs

@@ -26,9 +26,7 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
-import tempfile
 from bisect import bisect_left
 from dataclasses import dataclass, field
 from importlib import resources
@@ -37,7 +35,8 @@ from typing import Iterable
 
 from autoplan.catalog import DeviceSpec, Link
 from autoplan.errors import ConfigError
-from autoplan.fields import load_json
+from autoplan.fields import FieldReader, check_float, check_text, load_json, parse_json_text
+from autoplan.limits import MAX_GPUS, MAX_MICRO_BATCH, MAX_SEQ_LEN
 from autoplan.models.spec import LayerSpec
 from autoplan.profiler.environment import Environment
 from autoplan.profiler.shapes import ShapeKey, shape_key, spec_from_dict
@@ -50,6 +49,12 @@ MAX_MB_EXTRAPOLATION = 2.0
 """A lookup may extrapolate the micro-batch line up to this multiple of the largest
 measured micro-batch (layer time is affine in it until caches or memory saturate)."""
 TIME_FIELDS = ("forward_ms", "backward_ms", "backward_input_ms", "recompute_core_ms")
+MAX_PROFILE_FILES = 256
+"""Profile files read from one directory."""
+MAX_ENTRIES = 1_000_000
+"""Layer entries (and shapes) in one profile file."""
+MAX_MS = 1e9
+"""Longest time a layer entry may record (11 days): larger is garbage, not a measurement."""
 
 
 def file_name(device: str, dtype: str, torch_version: str) -> str:
@@ -93,30 +98,14 @@ class ProfileFile:
 
     @classmethod
     def from_dict(cls, data: dict, path: Path) -> "ProfileFile":
-        where = path.name
-        if not isinstance(data, dict) or data.get("format") != FORMAT:
-            raise ConfigError(where, f"is not an autoplan profile (format must be {FORMAT!r})")
-        version = data.get("schema_version")
-        if version != SCHEMA_VERSION:
-            raise ConfigError(f"{where}.schema_version", f"{version!r} is not supported (this autoplan "
-                              f"reads version {SCHEMA_VERSION})", "profile again with this version")
-        for key in ("device", "dtype", "torch_version", "environment", "shapes", "layers"):
-            if key not in data:
-                raise ConfigError(f"{where}.{key}", "is required but missing")
-        env = Environment.from_dict(data["environment"])
-        if env.device != data["device"] or env.torch_version != data["torch_version"]:
-            raise ConfigError(f"{where}.environment", "disagrees with the file's device or torch_version")
-        f = cls(path, env, data["dtype"], data.get("settings"))
-        f.shapes = dict(data["shapes"])
-        for i, e in enumerate(data["layers"]):
-            for k in ("shape", "tp", "micro_batch", "forward_ms", "backward_ms"):
-                if k not in e:
-                    raise ConfigError(f"{where}.layers[{i}].{k}", "is required but missing")
-            if e["shape"] not in f.shapes:
-                raise ConfigError(f"{where}.layers[{i}].shape", f"{e['shape']!r} is not in shapes")
+        """Validate a parsed profile file (see :func:`read_profile`) and hold it."""
+        env, dtype, settings, commands, shapes, layers, links = read_profile(data, Path(path).name)
+        f = cls(path, env, dtype, settings)
+        f.shapes = shapes
+        for e in layers:
             f._put(e)
-        f.links = dict(data.get("links") or {})
-        f.commands = list(data.get("commands") or f.commands)
+        f.links = links
+        f.commands = commands or f.commands
         return f
 
     def to_dict(self) -> dict:
@@ -126,21 +115,9 @@ class ProfileFile:
                 "commands": self.commands, "shapes": self.shapes, "layers": self.layers, "links": self.links}
 
     def save(self) -> None:
+        from autoplan.files import write_text
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        text = json.dumps(self.to_dict(), indent=1, sort_keys=False) + "\n"
-        fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=f".{self.path.name}.", suffix=".tmp")
-        try:
-            # mkstemp makes the file private; a profile is ordinary data (umask applies).
-            umask = os.umask(0)
-            os.umask(umask)
-            os.fchmod(fd, 0o666 & ~umask)
-            with os.fdopen(fd, "w") as fh:
-                fh.write(text)
-            os.replace(tmp, self.path)
-        except BaseException:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-            raise
+        write_text(self.path, json.dumps(self.to_dict(), indent=1, sort_keys=False) + "\n")
 
     # -------------------------------------------------------------- entries
     def _put(self, entry: dict) -> None:
@@ -236,7 +213,11 @@ class ProfileStore:
         for p in paths:
             p = Path(p)
             if p.is_dir():
-                files += [ProfileFile.load(q) for q in sorted(p.glob("*.json"))]
+                found = sorted(p.glob("*.json"))
+                if len(found) > MAX_PROFILE_FILES:
+                    raise ConfigError(str(p), f"holds {len(found)} profile files, at most {MAX_PROFILE_FILES} "
+                                      "are read", "keep one file per device, dtype and torch version")
+                files += [ProfileFile.load(q) for q in found]
             elif p.exists():
                 files.append(ProfileFile.load(p))
             else:
@@ -253,7 +234,8 @@ class ProfileStore:
         if root.is_dir():
             for entry in sorted(root.iterdir(), key=lambda e: e.name):
                 if entry.name.endswith(".json"):
-                    files.append(ProfileFile.from_dict(json.loads(entry.read_text()), Path(entry.name)))
+                    files.append(ProfileFile.from_dict(parse_json_text(entry.read_text(), entry.name),
+                                                       Path(entry.name)))
         return cls(_prefer_current_torch(files), statistic)
 
     def add(self, f: ProfileFile) -> None:
@@ -408,7 +390,8 @@ class ProfileStore:
         efficiency included), or None when no link benchmark was saved."""
         for f in reversed(self._files_for(device)):
             rec = f.links.get(link_class)
-            if rec and math.isfinite(rec.get("bandwidth_GBps", math.inf)):
+            bw = rec.get("bandwidth_GBps") if rec else None
+            if isinstance(bw, (int, float)) and math.isfinite(bw) and bw > 0:
                 return Link(bandwidth=rec["bandwidth_GBps"] * 1e9, latency=rec["latency_us"] * 1e-6,
                             name=f"measured {rec.get('backend', '')} {link_class}".strip())
         return None
@@ -424,7 +407,9 @@ class ProfileStore:
             lines.append(f"  {len(f.layers)} layer entries; models {', '.join(models) or '-'}; "
                          f"tp {tps}; micro-batch {mbs}; seq {seqs}")
             for cls_name, rec in f.links.items():
-                lines.append(f"  link {cls_name}: {rec['latency_us']:.1f} us + {rec['bandwidth_GBps']:.2f} GB/s "
+                bw = rec.get("bandwidth_GBps")
+                bw_text = f"{bw:.2f} GB/s" if bw is not None else "bandwidth not resolvable at the sizes measured"
+                lines.append(f"  link {cls_name}: {rec['latency_us']:.1f} us + {bw_text} "
                              f"({rec.get('backend', '?')}, {rec.get('world_size', '?')} ranks)")
             if f.environment.command:
                 lines.append(f"  made by: {f.environment.command}")
@@ -447,3 +432,110 @@ def _prefer_current_torch(files: list[ProfileFile]) -> list[ProfileFile]:
         same = [f for f in fs if f.torch_version == current]
         keep += same or fs
     return [f for f in files if f in keep]
+
+
+# ----------------------------------------------------------------------- validation
+def _non_negative_numbers(value, where: str) -> None:
+    """Every number in an entry is a measured time, size, count or spread: finite and
+    >= 0 (a negative layer time is garbage, never a measurement)."""
+    stack = [(value, where)]
+    while stack:
+        node, at = stack.pop()
+        if isinstance(node, bool) or node is None or isinstance(node, str):
+            continue
+        if isinstance(node, (int, float)):
+            check_float(node, at, minimum=0.0, maximum=MAX_MS if at.endswith("_ms") else None)
+        elif isinstance(node, dict):
+            stack += [(v, f"{at}.{k}") for k, v in node.items()]
+        elif isinstance(node, list):
+            stack += [(v, f"{at}[{i}]") for i, v in enumerate(node)]
+
+
+def _read_entry(r: FieldReader, shapes: dict) -> dict:
+    shape = r.str("shape")
+    if shape not in shapes:
+        raise ConfigError(r.path("shape"), f"{shape[:60]!r} is not in shapes")
+    r.int("tp", minimum=1, maximum=MAX_GPUS)
+    r.int("micro_batch", minimum=1, maximum=MAX_MICRO_BATCH)
+    _non_negative_numbers(dict(r.data), r.where)
+    for name in ("forward_ms", "backward_ms"):
+        r.float(name, positive=True)
+    for sub in ("statistics", "recompute", "ops_forward", "ops_backward"):
+        table = r.sub(sub, None)
+        for key in (table.data if table else ()):
+            if sub in ("statistics", "recompute"):
+                table.sub(key)
+    stats = r.sub("statistics", None)
+    for name in (stats.data if stats else ()):
+        view = stats.sub(name)
+        for t in ("forward_ms", "backward_ms"):
+            if view.has(t):
+                view.float(t, positive=True)
+    rec = r.sub("recompute", None)
+    for mode in (rec.data if rec else ()):
+        if mode not in ("none", "selective", "full"):
+            raise ConfigError(rec.path(mode), "is not a recompute mode", "none, selective or full")
+        rec.sub(mode).float("saved_bytes", 0.0, minimum=0.0)
+    return dict(r.data)
+
+
+def _read_shape(r: FieldReader) -> dict:
+    r.str("fingerprint")
+    r.int("tokens", minimum=0, maximum=MAX_SEQ_LEN)
+    r.int("seq_len", 0, minimum=0, maximum=MAX_SEQ_LEN)
+    r.str("model", "")
+    r.str("kind", "")
+    r.sub("config", {})
+    spec_from_dict(r.raw("spec"), r.path("spec"))
+    return dict(r.data)
+
+
+def _read_link(r: FieldReader) -> dict:
+    r.str("backend", "")
+    r.int("world_size", 2, minimum=1, maximum=MAX_GPUS)
+    r.float("latency_us", minimum=0.0)
+    # null: the sweep could not resolve a bandwidth (times did not grow with size).
+    if r.has("bandwidth_GBps"):
+        r.float("bandwidth_GBps", positive=True)
+    _non_negative_numbers({k: v for k, v in r.data.items() if k not in ("unsupported",)}, r.where)
+    return dict(r.data)
+
+
+def read_profile(data, where: str) -> tuple:
+    """(environment, dtype, settings, commands, shapes, layers, links) of a parsed profile
+    file, every field checked: types, ranges, finite non-negative times and sizes, every
+    entry's shape present. A problem is a ConfigError naming the field."""
+    r = FieldReader(data, where)
+    if r.raw("format", None) != FORMAT:
+        raise ConfigError(where, f"is not an autoplan profile (format must be {FORMAT!r})")
+    version = r.raw("schema_version", None)
+    if version != SCHEMA_VERSION or isinstance(version, bool):
+        raise ConfigError(r.path("schema_version"), f"{str(version)[:20]!r} is not supported (this autoplan "
+                          f"reads version {SCHEMA_VERSION})", "profile again with this version")
+    r.reject_unknown(("format", "schema_version", "device", "dtype", "torch_version", "environment", "settings",
+                      "commands", "shapes", "layers", "links"))
+    device, dtype, torch_version = r.str("device"), r.str("dtype", choices=("fp32", "bf16", "fp16")), \
+        r.str("torch_version")
+    env = Environment.read(r.sub("environment"))
+    if env.device != device or env.torch_version != torch_version:
+        raise ConfigError(r.path("environment"), "disagrees with the file's device or torch_version")
+    settings = r.sub("settings", {})
+    for key in settings.data:
+        value = settings.data[key]
+        if isinstance(value, str):
+            settings.str(key)
+        elif isinstance(value, (int, float)) and not isinstance(value, bool):
+            settings.float(key, minimum=0.0)
+        elif not isinstance(value, bool) and value is not None:
+            raise ConfigError(settings.path(key), "must be a number, a string or true/false")
+    commands = [c for c in (r.list("commands", [], max_len=10_000))]
+    for i, c in enumerate(commands):
+        check_text(c, f"{r.path('commands')}[{i}]", multiline=True)
+    shapes_r = r.sub("shapes")
+    if len(shapes_r.data) > MAX_ENTRIES:
+        raise ConfigError(shapes_r.where, f"has more than {MAX_ENTRIES:,} shapes")
+    shapes = {sid: _read_shape(shapes_r.sub(sid)) for sid in shapes_r.data}
+    layers = [_read_entry(e, shapes) for e in r.items("layers")] if r.list("layers", max_len=MAX_ENTRIES) else []
+    links_r = r.sub("links", {})
+    links = {name: _read_link(links_r.sub(name)) for name in links_r.data}
+    return env, dtype, dict(settings.data), commands, shapes, layers, links

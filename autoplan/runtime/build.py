@@ -1,15 +1,22 @@
 """Build this rank's part of a zoo model and parallelize it as the plan says.
 
-Order of application, per unit (a pipeline unit of ``model.layers``):
+Order of application, per unit (a pipeline unit of ``model.layers``), all on the
+``meta`` device, so no rank ever allocates more than its own shard:
 
-1. materialize only the units this rank holds, each initialised from ``seed`` and its
-   own index, so every plan (and a single-process reference) starts from the same weights;
+1. take the units this rank holds from a model built on ``meta``;
 2. tensor / sequence parallelism with DTensor ``parallelize_module`` from the unit's
    ``tp_plan()``;
 3. activation checkpointing as planned (``selective``: the attention core; ``full``:
    the whole unit);
 4. data parallelism / ZeRO with FSDP2 ``fully_shard`` or the FSDP-family ``replicate``,
-   per unit and then per pipeline stage (the stage is the FSDP root).
+   per unit and then per pipeline stage (the stage is the FSDP root);
+5. ``to_empty`` on the device, then :func:`init_local_shards` fills each parameter's
+   local shard with exactly the values that shard has in the whole model: the global
+   tensor is cut into tiles, each drawn from its own seed, so a shard draws only the
+   tiles it overlaps. Every plan, and the single-process reference, therefore starts
+   from the same weights while a rank's host memory scales with its shard;
+6. plain DDP (``DistributedDataParallel``) where it is the ZeRO-0 choice, after the
+   weights exist (it broadcasts them at construction).
 
 Parameter names are the full model's (``layers.<unit>.<...>``) on every rank and under
 every plan, which is what lets a checkpoint saved under one plan load under another.
@@ -17,6 +24,7 @@ every plan, which is what lets a checkpoint saved under one plan load under anot
 from __future__ import annotations
 
 import contextlib
+import hashlib
 from dataclasses import dataclass
 from typing import Iterable
 
@@ -31,25 +39,16 @@ from torch.utils.checkpoint import checkpoint
 
 from autoplan.errors import ConfigError
 from autoplan.models.config import SwinConfig, TransformerConfig
-from autoplan.models.zoo import build_model, init_parameters
+from autoplan.models.zoo import build_model, init_rule
 from autoplan.models.zoo.transformer import Block, Head, TokenEmbedding
 
-UNIT_SEED_STRIDE = 1_000_003
-"""Unit i of a run seeded s is initialised from seed s * stride + i (a prime stride keeps
-seeds of different runs from colliding for any realistic unit count)."""
+INIT_TILE = 1024
+"""Side of the square tiles (rows x columns of a weight; 1-D tensors use INIT_TILE^2
+elements) that are drawn from independent seeds: a shard draws only the tiles it
+overlaps, at most one tile's memory at a time."""
 
 SEQUENCE_PARALLEL_UNITS = (TokenEmbedding, Block, Head)
 """Unit types whose sequence-parallel layout the runtime knows (see apply_tensor_parallel)."""
-
-
-def unit_seed(seed: int, index: int) -> int:
-    return seed * UNIT_SEED_STRIDE + index
-
-
-def _seeded_init(unit: nn.Module, seed: int, index: int) -> None:
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(unit_seed(seed, index))
-        init_parameters(unit)
 
 
 def meta_model(cfg: TransformerConfig | SwinConfig) -> nn.Module:
@@ -65,33 +64,104 @@ def tied_embedding_fqns(cfg, num_units: int) -> tuple[str, str] | None:
     return None
 
 
-def materialize_units(cfg, unit_ids: Iterable[int], seed: int) -> dict[int, nn.Module]:
-    """The units ``unit_ids`` of ``cfg``'s model on the CPU, deterministically initialised.
-
-    The model is built on ``meta`` and only the held units are materialized, so a rank
-    never allocates the whole model. Tied embeddings are untied: the head holds its own
-    copy of the embedding table (initialised to the same values), and the trainer keeps
-    the two copies equal by summing their gradients (as Megatron-LM does between the
-    first and last pipeline stage)."""
+def meta_units(cfg, unit_ids: Iterable[int]) -> dict[int, nn.Module]:
+    """The units ``unit_ids`` of ``cfg``'s model, on ``meta``, with tied embeddings untied:
+    the head holds its own copy of the table (initialised to the same values by
+    :func:`init_local_shards`), and the trainer keeps the two copies equal by summing
+    their gradients (as Megatron-LM does between the first and last pipeline stage)."""
     full = meta_model(cfg)
     n = len(full.layers)
-    units: dict[int, nn.Module] = {}
-    for i in sorted(set(unit_ids)):
-        unit = full.layers[i]
-        # to_empty gives each unit fresh storage, which also unties a shared parameter.
-        unit.to_empty(device="cpu")
-        _seeded_init(unit, seed, i)
-        units[i] = unit
+    units = {i: full.layers[i] for i in sorted(set(unit_ids))}
     if tied_embedding_fqns(cfg, n) and n - 1 in units:
-        if 0 in units:
-            table = units[0].tok_embeddings.weight
-        else:
-            emb = full.layers[0]
-            emb.to_empty(device="cpu")
-            _seeded_init(emb, seed, 0)
-            table = emb.tok_embeddings.weight
-        with torch.no_grad():
-            units[n - 1].output.weight.copy_(table)
+        head = units[n - 1]
+        head.output.weight = nn.Parameter(torch.empty_like(head.output.weight, device="meta"))
+    for unit in units.values():
+        if any(True for _ in unit.buffers()):
+            raise ConfigError("model", f"{type(unit).__name__} has buffers, which the runtime does not initialise")
+    return units
+
+
+def _tile_seed(seed: int, key: str, ti: int, tj: int) -> int:
+    digest = hashlib.blake2b(f"{seed}/{key}/{ti}/{tj}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & ((1 << 63) - 1)
+
+
+def fill_shard(local: torch.Tensor, global_shape: tuple[int, ...], offset: tuple[int, ...],
+               rule: tuple[str, float], seed: int, key: str) -> None:
+    """Fill ``local``, the block of a parameter of ``global_shape`` starting at ``offset``,
+    with that block's values under ``rule`` (see zoo.init_rule). Random values come from
+    tiles of the global tensor, each seeded by (seed, key, tile), so they do not depend on
+    how the tensor is sharded."""
+    kind, std = rule
+    if kind == "normal_per_matrix":
+        # A stack of matrices (experts on dim 0): each matrix its own 2-D tensor, keyed by
+        # its global index, so a rank's experts and tensor-parallel slices of them
+        # (dims 1 or 2) get the values they have in the whole stack.
+        for e in range(local.shape[0]):
+            fill_shard(local[e], tuple(global_shape[1:]), tuple(offset[1:]), ("normal", std), seed,
+                       f"{key}/{offset[0] + e}")
+        return
+    with torch.no_grad():
+        if kind == "zeros":
+            local.zero_()
+            return
+        if kind == "ones":
+            local.fill_(1.0)
+            return
+        if local.numel() == 0:
+            return
+        two_d = len(global_shape) >= 2
+        shape = tuple(global_shape) if two_d else (global_shape[0], 1)
+        loc = local if two_d else local.unsqueeze(1)
+        off = tuple(offset) if two_d else (offset[0], 0)
+        if tuple(loc.shape[2:]) != shape[2:] or any(off[2:]):
+            raise ValueError(f"{key}: only the first two dimensions may be sharded")
+        rt, ct = (INIT_TILE, INIT_TILE) if two_d else (INIT_TILE * INIT_TILE, 1)
+        r0, c0 = off[0], off[1]
+        r1, c1 = r0 + loc.shape[0], c0 + loc.shape[1]
+        for ti in range(r0 // rt, (r1 - 1) // rt + 1):
+            tr0, tr1 = ti * rt, min((ti + 1) * rt, shape[0])
+            for tj in range(c0 // ct, (c1 - 1) // ct + 1):
+                tc0, tc1 = tj * ct, min((tj + 1) * ct, shape[1])
+                g = torch.Generator().manual_seed(_tile_seed(seed, key, ti, tj))
+                tile = torch.empty((tr1 - tr0, tc1 - tc0, *shape[2:])).normal_(0.0, std, generator=g)
+                a0, a1, b0, b1 = max(r0, tr0), min(r1, tr1), max(c0, tc0), min(c1, tc1)
+                loc[a0 - r0:a1 - r0, b0 - c0:b1 - c0].copy_(tile[a0 - tr0:a1 - tr0, b0 - tc0:b1 - tc0])
+
+
+def init_local_shards(units: dict[int, nn.Module], cfg, num_units: int, seed: int) -> None:
+    """Give every parameter of ``units`` (index -> materialised unit, possibly holding
+    DTensor shards) the values its part has in the whole model of run ``seed``."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    tied = tied_embedding_fqns(cfg, num_units)
+    for i, unit in units.items():
+        for name, p in unit.named_parameters():
+            fqn = f"layers.{i}.{name}"
+            owner, _, leaf = name.rpartition(".")
+            rule = init_rule(unit.get_submodule(owner) if owner else unit, leaf)
+            # The head's untied copy of a tied table starts equal to the table.
+            key = tied[0] if tied and fqn == tied[1] else fqn
+            if isinstance(p, DTensor):
+                local = p.to_local()
+                shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+                if tuple(shape) != tuple(local.shape):
+                    raise RuntimeError(f"{fqn}: local shard {tuple(local.shape)} is not the expected {shape}")
+            else:
+                local, offset = p.data, (0,) * p.dim()
+            fill_shard(local, tuple(p.shape), tuple(offset), rule, seed, key)
+
+
+def materialize_units(cfg, unit_ids: Iterable[int], seed: int, device: str | torch.device = "cpu") -> dict[int, nn.Module]:
+    """The units ``unit_ids`` of ``cfg``'s model, whole, on ``device``, with the weights
+    every plan of run ``seed`` starts from (the single-process reference builds this way;
+    the runtime builds shards with the same values). Tied embeddings are untied, as in
+    :func:`meta_units`."""
+    n = len(meta_model(cfg).layers)
+    units = meta_units(cfg, unit_ids)
+    for unit in units.values():
+        unit.to_empty(device=device)
+    init_local_shards(units, cfg, n, seed)
     return units
 
 
@@ -276,21 +346,31 @@ class DataParallelChoice:
     """How the data-parallel dimension is realised for one plan."""
 
     wrapper: str
-    """'none' (dp = 1), 'replicate' (FSDP-family replicate, ZeRO-0) or 'fully_shard' (FSDP2)."""
+    """'none' (dp = 1), 'ddp' (DistributedDataParallel, ZeRO-0), 'replicate' (FSDP-family
+    replicate, ZeRO-0 where DDP cannot run) or 'fully_shard' (FSDP2)."""
     reshard_after_forward: bool
     """FSDP2: free gathered parameters after each unit's forward (true ZeRO-3)."""
     note: str
     """One line for logs and the run record: what the plan's zero stage became."""
 
 
-def data_parallel_choice(dp: int, zero: int, pp: int) -> DataParallelChoice:
+def data_parallel_choice(dp: int, zero: int, pp: int, tp: int = 1, schedule: str = "1f1b",
+                         ep: int = 1) -> DataParallelChoice:
     if dp == 1:
         return DataParallelChoice("none", False, "dp=1: no data parallelism (ZeRO has nothing to shard)")
     if zero == 0:
+        if tp == 1 and pp == 1 and ep == 1:
+            # Plain DDP: one bucketed all-reduce overlapped with backward, the fastest ZeRO-0.
+            return DataParallelChoice("ddp", False, "ZeRO-0: DistributedDataParallel (bucketed all-reduce)")
         # replicate_with_fsdp, not the older torch.distributed._composable.replicate, which
-        # computes silently wrong gradients under pipelining, nor nn.parallel.DDP, whose
-        # reducer asserts on the second step of interleaved/zero-bubble schedules.
-        return DataParallelChoice("replicate", False, "ZeRO-0: replicate (FSDP-family all-reduce)")
+        # computes silently wrong gradients under pipelining. DDP cannot hold DTensor
+        # (tensor-parallel) weights, and under the pipeline runtime's action lists its
+        # reducer asserts on the second step (it sees every parameter's gradient once per
+        # micro-batch), with interleaved and zero-bubble schedules as with 1F1B.
+        # Expert-parallel experts are DTensors too, averaged over their own replicas.
+        why = "tensor-parallel weights" if tp > 1 else "expert-parallel weights" if ep > 1 else "pipeline stages"
+        return DataParallelChoice("replicate", False, f"ZeRO-0: replicate (FSDP-family all-reduce; DDP cannot "
+                                  f"run {why})")
     if zero in (1, 2):
         return DataParallelChoice("fully_shard", False,
                                   f"ZeRO-{zero}: approximated by FSDP2 with reshard_after_forward=False "
@@ -308,10 +388,12 @@ def data_parallel_choice(dp: int, zero: int, pp: int) -> DataParallelChoice:
 
 def apply_data_parallel(stage: StageModule, dp_mesh: DeviceMesh, choice: DataParallelChoice,
                         mp_policy=None, expert_dp_mesh: DeviceMesh | None = None) -> None:
-    """Wrap every unit (and the stage, as root) for data parallelism over ``dp_mesh``. With
-    ``expert_dp_mesh``, routed experts are wrapped first, over the ranks holding the same
-    experts (see :mod:`autoplan.runtime.experts` for how their gradients are averaged)."""
-    if choice.wrapper == "none":
+    """The FSDP-family wrappers for data parallelism over ``dp_mesh`` on every unit (and the
+    stage, as root), applied on ``meta`` before the weights exist (DDP comes later: see
+    :func:`wrap_ddp`). With ``expert_dp_mesh``, routed experts are wrapped first, over the
+    ranks holding the same experts (see :mod:`autoplan.runtime.experts` for how their
+    gradients are averaged)."""
+    if choice.wrapper in ("none", "ddp"):
         return
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     mp = mp_policy or MixedPrecisionPolicy()
@@ -334,3 +416,11 @@ def apply_data_parallel(stage: StageModule, dp_mesh: DeviceMesh, choice: DataPar
         fully_shard(unit, mesh=dp_mesh, reshard_after_forward=choice.reshard_after_forward, mp_policy=mp)
     # The stage is the FSDP root (it holds no parameters of its own).
     fully_shard(stage, mesh=dp_mesh, reshard_after_forward=choice.reshard_after_forward, mp_policy=mp)
+
+
+def wrap_ddp(stage: StageModule, dp_mesh: DeviceMesh, device: torch.device) -> nn.Module:
+    """``stage`` under DistributedDataParallel over the data-parallel group (materialised
+    weights: DDP broadcasts them from the group's first rank at construction)."""
+    from torch.nn.parallel import DistributedDataParallel
+    ids = [device.index] if device.type == "cuda" else None
+    return DistributedDataParallel(stage, process_group=dp_mesh.get_group(), device_ids=ids)

@@ -10,11 +10,14 @@ stay in charge of memory.
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Callable
 
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
+from torch.nn.parallel import DistributedDataParallel
+from torch.nn.parallel.distributed import _find_tensors
 
 from autoplan.schedule import ScheduleProgram
 
@@ -50,20 +53,30 @@ class LocalExecutor:
         backwards = 0
         sharded = isinstance(self.stage, FSDPModule)
         self.before_compute()
+        ddp = isinstance(self.stage, DistributedDataParallel)
         for action in self.actions:
             m = action.micro_batch
             if action.kind == "F":
-                out = self.stage(xs[m].to(self.device))
+                # DDP would prepare a reduction at every forward: run forwards under
+                # no_sync and prepare it by hand before the last backward, as
+                # torch.distributed.pipelining's stages do, so any program order works.
+                with self.stage.no_sync() if ddp else contextlib.nullcontext():
+                    out = self.stage(xs[m].to(self.device))
                 loss = self.loss_fn(out, ys[m].to(self.device))
                 pending[m] = loss
                 losses[m] = float(loss.detach())
             elif action.kind in ("B", "I"):
                 backwards += 1
+                last = backwards == m_total
+                loss = pending.pop(m)
                 if sharded:
                     # Reduce (reduce-scatter / all-reduce) gradients once, on the last
                     # backward of the iteration; earlier ones accumulate locally.
-                    self.stage.set_requires_gradient_sync(backwards == m_total)
-                (pending.pop(m) / m_total).backward()
+                    self.stage.set_requires_gradient_sync(last)
+                if ddp and last:
+                    self.stage.reducer.prepare_for_backward(list(_find_tensors(loss)))
+                with self.stage.no_sync() if ddp and not last else contextlib.nullcontext():
+                    (loss / m_total).backward()
             # 'W': already done by the full backward at 'I' (see class docstring).
         return [losses[m] for m in sorted(losses)]
 

@@ -14,6 +14,7 @@ from typing import Any
 
 from autoplan.errors import ConfigError
 from autoplan.fields import FieldReader, load_json
+from autoplan.limits import MAX_GPUS, MAX_STEPS
 from autoplan.plan import Plan
 from autoplan.units import GiB, MiB
 
@@ -125,17 +126,15 @@ class RunRecord:
         }
 
     def save(self, path: str | Path) -> None:
-        path = Path(path)
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(json.dumps(self.to_dict(), indent=1) + "\n")
-        tmp.replace(path)
+        from autoplan.files import write_text
+        write_text(path, json.dumps(self.to_dict(), indent=1) + "\n")
 
     @classmethod
     def from_dict(cls, data: Any, where: str = "record") -> "RunRecord":
         r = FieldReader(data, where)
         r.reject_unknown(("schema_version", "kind", "plan", "model", "environment", "run", "steps",
                           "memory", "summary"))
-        version = r.int("schema_version")
+        version = r.int("schema_version", minimum=1)
         if version > RECORD_SCHEMA_VERSION:
             raise ConfigError(r.path("schema_version"), f"{version} is newer than this autoplan understands "
                               f"({RECORD_SCHEMA_VERSION})", "upgrade autoplan")
@@ -144,19 +143,19 @@ class RunRecord:
             raise ConfigError(r.path("kind"), f"is {kind!r}, not a run record ({RECORD_KIND!r})")
         plan = Plan.from_dict(r.raw("plan"), where=r.path("plan"))
         steps = []
+        r.list("steps", max_len=MAX_STEPS)
         for s in r.items("steps"):
-            mem = s.list("peak_memory_bytes_by_rank", [])
-            if not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in mem):
-                raise ConfigError(s.path("peak_memory_bytes_by_rank"), "must be a list of byte counts (integers >= 0)")
-            steps.append(StepRecord(step=s.int("step", minimum=1), loss=s.float("loss"),
+            mem = s.ints("peak_memory_bytes_by_rank", [], minimum=0, max_len=MAX_GPUS)
+            steps.append(StepRecord(step=s.int("step", minimum=1, maximum=MAX_STEPS), loss=s.float("loss"),
                                     step_time_s=s.float("step_time_s", positive=True),
                                     tokens_per_s=s.float("tokens_per_s", positive=True),
                                     grad_norm=s.float("grad_norm", minimum=0.0),
                                     peak_memory_bytes_by_rank=tuple(mem),
                                     load_balancing_loss=s.float("load_balancing_loss", None, minimum=0.0)))
         memory = []
+        r.list("memory", max_len=MAX_GPUS)
         for m in r.items("memory"):
-            memory.append(RankMemory(rank=m.int("rank", minimum=0),
+            memory.append(RankMemory(rank=m.int("rank", minimum=0, maximum=MAX_GPUS - 1),
                                      peak_memory_bytes=m.int("peak_memory_bytes", minimum=0),
                                      memory_source=m.str("memory_source"),
                                      model_state_bytes=m.int("model_state_bytes", minimum=0),
@@ -166,8 +165,21 @@ class RunRecord:
         env = r.sub("environment")
         env.str("torch_version")
         env.str("backend")
-        env.int("world_size", minimum=1)
-        return cls(plan=plan, model=dict(r.raw("model")), environment=dict(env.data), run=dict(run.data),
+        world = env.int("world_size", minimum=1, maximum=MAX_GPUS)
+        if world != plan.num_gpus:
+            raise ConfigError(env.path("world_size"), f"is {world}, but the plan has {plan.num_gpus} ranks")
+        env.strs("device_names", [], max_len=world)
+        ranks = [m.rank for m in memory]
+        if len(set(ranks)) != len(ranks) or any(x >= world for x in ranks):
+            raise ConfigError(r.path("memory"), f"ranks {sorted(ranks)[:8]} are not distinct ranks of the "
+                              f"{world} the run had")
+        for i, st in enumerate(steps):
+            if len(st.peak_memory_bytes_by_rank) > world:
+                raise ConfigError(f"{r.path('steps')}[{i}].peak_memory_bytes_by_rank",
+                                  f"has {len(st.peak_memory_bytes_by_rank)} ranks, the run had {world}")
+        model = r.sub("model")
+        model.str("name", "")
+        return cls(plan=plan, model=dict(model.data), environment=dict(env.data), run=dict(run.data),
                    steps=tuple(steps), memory=tuple(sorted(memory, key=lambda m: m.rank)),
                    schema_version=version, kind=kind)
 

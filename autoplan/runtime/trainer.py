@@ -128,13 +128,13 @@ def resolve_model_config(model: Any, seq_len: int = 0) -> TransformerConfig | Sw
                               "pass a zoo preset name, a config.json path or a config object")
         model = model.config
     if isinstance(model, (str, os.PathLike)):
-        text = str(model)
-        if text.endswith(".json") or os.sep in text or Path(text).is_file():
+        from autoplan.models import is_config_path
+        if is_config_path(model):
             from autoplan.models.hf import config_from_hf
-            cfg = config_from_hf(text)
+            cfg = config_from_hf(model)
         else:
             from autoplan.models.presets import get_config
-            cfg = get_config(text)
+            cfg = get_config(str(model))
     elif isinstance(model, (TransformerConfig, SwinConfig)):
         cfg = model
     else:
@@ -145,6 +145,19 @@ def resolve_model_config(model: Any, seq_len: int = 0) -> TransformerConfig | Sw
         if cfg.position == "learned" and (cfg.max_positions or 0) < seq_len:
             overrides["max_positions"] = None  # re-derived from seq_len
     return dataclasses.replace(cfg, **overrides).resolved() if overrides else cfg.resolved()
+
+
+def check_backend(backend: str, local_ranks: int = 1) -> None:
+    """Raise a one-line ConfigError when ``backend`` cannot run ``local_ranks`` ranks on
+    this machine (NCCL needs a CUDA GPU per local rank)."""
+    if backend != "nccl":
+        return
+    if not torch.cuda.is_available():
+        raise ConfigError("--backend", "nccl needs CUDA GPUs, and torch sees none on this machine",
+                          "use --backend gloo (or auto) to run on CPUs")
+    if torch.cuda.device_count() < local_ranks:
+        raise ConfigError("--backend", f"nccl runs one rank per GPU: {local_ranks} ranks on this node, "
+                          f"{torch.cuda.device_count()} GPUs", "run fewer ranks per node, or use gloo")
 
 
 def default_device() -> torch.device:
@@ -215,25 +228,30 @@ class Trainer:
         # point of CPU runs is checking correctness in fp32.
         dtype = {"bf16": torch.bfloat16, "fp32": None}.get(plan.dtype)
         self.compute_dtype = dtype if self.device.type == "cuda" else None
-        self.dp_choice = B.data_parallel_choice(lay.dp, plan.zero, lay.pp)
+        if dtype is not None and self.compute_dtype is None:
+            self.log(f"warning: the plan computes in {plan.dtype}; on {self.device.type} this run computes in "
+                     "fp32, so its step time and memory are not the plan's (run it on GPUs for those)")
+        self.dp_choice = B.data_parallel_choice(lay.dp, plan.zero, lay.pp, lay.tp, plan.schedule, plan.ep)
         mp_policy, autocast = None, self.compute_dtype
-        if self.compute_dtype is not None and self.dp_choice.wrapper != "none":
+        if self.compute_dtype is not None and self.dp_choice.wrapper in ("replicate", "fully_shard"):
             from torch.distributed.fsdp import MixedPrecisionPolicy
             mp_policy = MixedPrecisionPolicy(param_dtype=self.compute_dtype, reduce_dtype=torch.float32)
             autocast = None
 
-        # ---- build and parallelize this rank's units, stage by stage
+        # ---- build and parallelize this rank's units, stage by stage, on meta; then
+        # materialise only the local shards (host memory scales with the shard)
         unit_ids = [u for s in lay.stage_ids for u in range(plan.stages[s].start, plan.stages[s].end)]
-        units = B.materialize_units(self.cfg, unit_ids, self.options.seed)
+        units = B.meta_units(self.cfg, unit_ids)
         tp_mesh, dp_mesh = self.mesh["tp"], self.mesh["dp"]
         # Routed experts live on the same mesh with "dp" split into ("edp", "ep") whenever
         # they are sharded (by expert, or by tensor parallelism like a dense MLP).
         self.expert_mesh = (expert_mesh(self.mesh, plan) if num_experts and (plan.ep > 1 or lay.tp > 1)
                             else None)
-        self.stage_modules: dict[int, B.StageModule] = {}
+        self.stage_modules: dict[int, torch.nn.Module] = {}
+        built: dict[int, B.StageModule] = {}
         for s in lay.stage_ids:
             stage = plan.stages[s]
-            mine = {u: units[u].to(self.device) for u in range(stage.start, stage.end)}
+            mine = {u: units[u] for u in range(stage.start, stage.end)}
             for unit in mine.values():
                 if lay.tp > 1:
                     B.apply_tensor_parallel(unit, tp_mesh, plan.sequence_parallel)
@@ -243,8 +261,13 @@ class Trainer:
             module = B.StageModule(mine, autocast_dtype=autocast, device_type=self.device.type)
             B.apply_data_parallel(module, dp_mesh, self.dp_choice, mp_policy,
                                   expert_dp_mesh=self.expert_mesh["edp"] if self.expert_mesh is not None else None)
-            self.stage_modules[s] = module
-        self.model = B.RankModel({int(u): m for sm in self.stage_modules.values() for u, m in sm.layers.items()})
+            module.to_empty(device=self.device)
+            built[s] = module
+        B.init_local_shards(units, self.cfg, self.num_units, self.options.seed)
+        for s, module in built.items():
+            self.stage_modules[s] = (B.wrap_ddp(module, dp_mesh, self.device) if self.dp_choice.wrapper == "ddp"
+                                     else module)
+        self.model = B.RankModel({int(u): m for sm in built.values() for u, m in sm.layers.items()})
         self.params = dict(self.model.named_parameters())
         self._setup_tied()
         self.optimizer = self._make_optimizer()
@@ -475,6 +498,7 @@ class Trainer:
     def save(self, directory: str | os.PathLike) -> Path:
         from autoplan.runtime.checkpoint import save_checkpoint
         train_state = {"seed": self.options.seed, "world_size": dist.get_world_size(),
+                       "model": {"name": self.cfg.name, "num_params": self.num_params},
                        "plan": self.plan.to_dict(), "data": {k: v for k, v in self.data.state_dict().items()
                                                              if k != "dataset"}}
         return save_checkpoint(directory, self.step, self.model, self.optimizer, train_state,
@@ -483,7 +507,7 @@ class Trainer:
     def load(self, path: str | os.PathLike) -> int:
         """Load a checkpoint (any plan's); returns the step it was taken after."""
         from autoplan.runtime.checkpoint import load_checkpoint
-        train_state, dataset_state = load_checkpoint(path, self.model, self.optimizer)
+        train_state, dataset_state = load_checkpoint(path, self.model, self.optimizer, self.cfg.name)
         data_state = dict(train_state.get("data", {"position": train_state["step"]}))
         if dataset_state is not None:
             data_state["dataset"] = dataset_state
@@ -592,3 +616,31 @@ def train(plan: Plan | str | os.PathLike, model: Any, *, steps: int = 10, data=N
         record.save(out)
         trainer.log(f"wrote {out}")
     return record
+
+
+def build_only(plan: Plan | str | os.PathLike, model: Any, rank: int = 0, seq_len: int = 0, seed: int = 0) -> dict:
+    """Build rank ``rank``'s part of ``plan`` in this process, as a real run would, and
+    report its size: nothing is trained and no other rank is started (a fake process
+    group stands in for the others, so one machine can check what one rank of a large
+    plan needs). Returns the local parameter bytes, the whole model's parameter bytes
+    (fp32) and this process's peak resident memory."""
+    # The fake backend ships with torch (torch.testing) and is what torch's own memory
+    # tooling uses: collectives return at once and allocate nothing.
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if not isinstance(plan, Plan):
+        plan = Plan.load(plan)
+    if not 0 <= rank < plan.num_gpus:
+        raise ConfigError("--rank", f"{rank} is not a rank of the plan (0..{plan.num_gpus - 1})")
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=plan.num_gpus)
+    try:
+        t = Trainer(plan, model, TrainOptions(steps=1, seed=seed, seq_len=seq_len), device="cpu", log=None)
+        local = sum(_local(p).numel() * _local(p).element_size() for p in t.model.parameters())
+        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return {"rank": rank, "world_size": plan.num_gpus, "model": t.cfg.name,
+                "units": sorted(int(u) for u in t.model.layers), "local_parameter_bytes": int(local),
+                "model_parameter_bytes": int(t.num_params * 4),
+                "max_rss_bytes": int(rss if sys.platform == "darwin" else rss * 1024),
+                "data_parallel": t.dp_choice.note}
+    finally:
+        dist.destroy_process_group()

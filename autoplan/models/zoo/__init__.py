@@ -22,9 +22,9 @@ import torch.nn.functional as F
 
 from autoplan.models.config import SwinConfig, TransformerConfig
 from autoplan.models.zoo.swin import SwinModel
-from autoplan.models.zoo.transformer import TP_STYLES, TransformerModel, init_parameters
+from autoplan.models.zoo.transformer import TP_STYLES, TransformerModel, init_parameters, init_rule
 
-__all__ = ["build_model", "loss_fn", "example_inputs", "init_parameters", "TP_STYLES",
+__all__ = ["build_model", "loss_fn", "example_inputs", "init_parameters", "init_rule", "TP_STYLES",
            "TransformerModel", "SwinModel"]
 
 

@@ -57,10 +57,6 @@ class GroupedExperts(nn.Module):
         self.w3 = nn.Parameter(torch.empty(num_experts, hidden, dim))
         self.w2 = nn.Parameter(torch.empty(num_experts, dim, hidden))
 
-    def init_weights(self, std: float) -> None:
-        for w in (self.w1, self.w3, self.w2):
-            nn.init.normal_(w, mean=0.0, std=std)
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = torch.bmm(x, self.w1.transpose(1, 2)) * F.silu(torch.bmm(x, self.w3.transpose(1, 2)))
         return torch.bmm(h, self.w2.transpose(1, 2))

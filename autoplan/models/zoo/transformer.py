@@ -39,29 +39,39 @@ TP_STYLES = ("colwise", "rowwise", "norm", "embedding", "output", "experts", "he
 TPPlan = dict[str, str]
 
 
+def init_rule(module: nn.Module, name: str) -> tuple[str, float]:
+    """How parameter ``name`` (``weight`` or ``bias``) of ``module`` is initialised:
+    ('normal', std) for Linear/Embedding/Conv weights, ('zeros', 0) for biases, ('ones', 0)
+    for norm scales, ('normal_per_matrix', std) for stacked expert weights ([experts, out, in]:
+    each expert's matrix drawn as a matrix of its own, so an expert's values do not depend on
+    how the stack is split over ranks). The one rule :func:`init_parameters` and the
+    runtime's shard-local initialisation both follow."""
+    from autoplan.models.zoo.moe import GroupedExperts
+
+    if isinstance(module, GroupedExperts):
+        return ("normal_per_matrix", INIT_STD)
+    if isinstance(module, (nn.Linear, nn.Conv2d, nn.Embedding)):
+        return ("normal", INIT_STD) if name == "weight" else ("zeros", 0.0)
+    if isinstance(module, (nn.LayerNorm, nn.RMSNorm)):
+        return ("ones", 0.0) if name == "weight" else ("zeros", 0.0)
+    raise TypeError(f"no initialisation rule for {type(module).__name__}.{name}")
+
+
 def init_parameters(module: nn.Module) -> None:
     """(Re-)initialise every parameter under ``module`` deterministically from the global
-    RNG: normal(0, 0.02) weights for Linear/Embedding/Conv, zero biases, unit norm scales.
-
-    Works on any unit or stage slice, so a runtime that builds on ``meta`` and calls
-    ``to_empty()`` can call this on just the units it holds (then ``tie_weights()``).
-    """
+    RNG: normal(0, 0.02) weights for Linear/Embedding/Conv, zero biases, unit norm scales
+    (see :func:`init_rule`)."""
     for m in module.modules():
-        if any(p.is_meta for p in m.parameters(recurse=False)):
-            continue   # shapes only: nothing to initialise (and meta's normal_ is slow)
-        if isinstance(m, (nn.Linear, nn.Conv2d)):
-            nn.init.normal_(m.weight, mean=0.0, std=INIT_STD)
-            if m.bias is not None:
-                nn.init.zeros_(m.bias)
-        elif isinstance(m, nn.Embedding):
-            nn.init.normal_(m.weight, mean=0.0, std=INIT_STD)
-        elif isinstance(m, (nn.LayerNorm, nn.RMSNorm)):
-            if m.weight is not None:
-                nn.init.ones_(m.weight)
-            if getattr(m, "bias", None) is not None:
-                nn.init.zeros_(m.bias)
-        elif hasattr(m, "init_weights"):   # modules with raw weight tensors (grouped experts)
-            m.init_weights(INIT_STD)
+        for name, p in m.named_parameters(recurse=False):
+            if p.is_meta:
+                continue   # shapes only: nothing to initialise (and meta's normal_ is slow)
+            kind, std = init_rule(m, name)
+            if kind in ("normal", "normal_per_matrix"):
+                nn.init.normal_(p, mean=0.0, std=std)
+            elif kind == "ones":
+                nn.init.ones_(p)
+            else:
+                nn.init.zeros_(p)
 
 
 def make_norm(kind: str, dim: int, eps: float = NORM_EPS) -> nn.Module:
