@@ -10,7 +10,7 @@ from dataclasses import dataclass, fields, replace
 from typing import Any
 
 from autoplan.errors import ConfigError, closest
-from autoplan.limits import MAX_GPUS, MAX_MICRO_BATCH, MAX_UNITS, MAX_VIRTUAL_STAGES
+from autoplan.limits import MAX_EXPERTS, MAX_GPUS, MAX_MICRO_BATCH, MAX_UNITS, MAX_VIRTUAL_STAGES
 from autoplan.plan import SCHEDULES
 from search.tables import RECOMPUTES
 
@@ -212,7 +212,7 @@ class Constraints:
         return replace(opts, **changes) if changes else opts
 
 
-_LIMITS = {"tp": MAX_GPUS, "pp": MAX_UNITS, "dp": MAX_GPUS, "micro_batch": MAX_MICRO_BATCH,
+_LIMITS = {"tp": MAX_GPUS, "pp": MAX_UNITS, "dp": MAX_GPUS, "ep": MAX_EXPERTS, "micro_batch": MAX_MICRO_BATCH,
            "virtual_stages": MAX_VIRTUAL_STAGES, "max_micro_batch": MAX_MICRO_BATCH,
            "max_virtual_stages": MAX_VIRTUAL_STAGES, "max_estimates": 10_000, "estimate_actions": 10**9,
            "placement_alternatives": 100, "max_stages": MAX_UNITS, "refine_evaluations": 1_000_000,

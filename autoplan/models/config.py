@@ -11,9 +11,15 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from autoplan.errors import ConfigError
-from autoplan.fields import check_int, check_text
+from autoplan.fields import check_float, check_int, check_text
 from autoplan.limits import (MAX_EXPERTS, MAX_FFN, MAX_HEADS, MAX_HIDDEN, MAX_LAYERS, MAX_SEQ_LEN, MAX_UNITS,
                              MAX_VOCAB)
+
+MAX_CAPACITY_FACTOR = 1_000.0
+"""Token slots per expert over the balanced load; past num_experts / top_k nothing more can
+be routed, so a larger factor is a mistake."""
+MAX_AUX_LOSS_COEFF = 1_000.0
+"""The load-balancing loss coefficient (published models use 1e-4 to 1e-2)."""
 
 ARCHS = ("gpt", "llama", "bert", "moe")
 NORMS = ("layernorm", "rmsnorm")
@@ -179,11 +185,12 @@ class TransformerConfig:
                 raise ConfigError("top_k", f"must be in 1..num_experts={c.num_experts}, got {c.top_k}")
             if c.moe_ffn_hidden is None:
                 c = dataclasses.replace(c, moe_ffn_hidden=c.ffn_hidden)
-            for name in ("moe_ffn_hidden", "shared_ffn_hidden", "dense_layers"):
+            for name, top in (("moe_ffn_hidden", MAX_FFN), ("shared_ffn_hidden", MAX_FFN), ("dense_layers", MAX_LAYERS)):
                 v = getattr(c, name)
                 if not isinstance(v, int) or isinstance(v, bool) or v < (1 if name == "moe_ffn_hidden" else 0):
                     raise ConfigError(name, f"must be a {'positive' if name == 'moe_ffn_hidden' else 'non-negative'} "
-                                      f"integer, got {v!r}")
+                                      f"integer, got {str(v)[:40]!r}")
+                check_int(v, name, maximum=top)
             if c.dense_layers >= c.layers:
                 raise ConfigError("dense_layers", f"{c.dense_layers} dense blocks leave no expert block "
                                   f"among {c.layers}", "use fewer dense layers or arch 'llama'")
@@ -191,9 +198,12 @@ class TransformerConfig:
                                                       and not isinstance(c.capacity_factor, bool)
                                                       and c.capacity_factor > 0):
                 raise ConfigError("capacity_factor", f"must be a number > 0 or None (dropless), "
-                                  f"got {c.capacity_factor!r}")
-            if not isinstance(c.aux_loss_coeff, (int, float)) or c.aux_loss_coeff < 0:
-                raise ConfigError("aux_loss_coeff", f"must be a number >= 0, got {c.aux_loss_coeff!r}")
+                                  f"got {str(c.capacity_factor)[:40]!r}")
+            check_float(c.capacity_factor, "capacity_factor", maximum=MAX_CAPACITY_FACTOR)
+            if not isinstance(c.aux_loss_coeff, (int, float)) or isinstance(c.aux_loss_coeff, bool) \
+                    or not c.aux_loss_coeff >= 0:
+                raise ConfigError("aux_loss_coeff", f"must be a number >= 0, got {str(c.aux_loss_coeff)[:40]!r}")
+            check_float(c.aux_loss_coeff, "aux_loss_coeff", maximum=MAX_AUX_LOSS_COEFF)
         else:
             for name, empty in (("num_experts", 0), ("shared_ffn_hidden", 0), ("dense_layers", 0),
                                 ("moe_ffn_hidden", None)):
@@ -201,19 +211,20 @@ class TransformerConfig:
                     raise ConfigError(name, f"is a mixture-of-experts setting but arch is {c.arch!r}",
                                       "set arch to 'moe'")
         if c.kv_lora_rank:
+            if c.v_head_dim is None:
+                c = dataclasses.replace(c, v_head_dim=c.head_dim)
+            for name in ("kv_lora_rank", "q_lora_rank", "v_head_dim", "rope_head_dim"):
+                v = getattr(c, name)
+                if not isinstance(v, int) or isinstance(v, bool) or v < (1 if name != "q_lora_rank" else 0):
+                    raise ConfigError(name, f"must be a {'non-negative' if name == 'q_lora_rank' else 'positive'} "
+                                      f"integer, got {str(v)[:40]!r}")
+                check_int(v, name, maximum=MAX_HIDDEN)
             if c.rope_head_dim < 2 or c.rope_head_dim % 2 or c.position != "rope":
                 raise ConfigError("rope_head_dim", f"multi-head latent attention needs an even rotary "
                                   f"width >= 2 with rope positions, got {c.rope_head_dim}")
             if c.kv_heads != c.heads:
                 raise ConfigError("kv_heads", f"multi-head latent attention gives every head its own keys "
                                   f"and values: kv_heads must equal heads={c.heads}, got {c.kv_heads}")
-            if c.v_head_dim is None:
-                c = dataclasses.replace(c, v_head_dim=c.head_dim)
-            for name in ("kv_lora_rank", "q_lora_rank", "v_head_dim"):
-                v = getattr(c, name)
-                if not isinstance(v, int) or v < (1 if name != "q_lora_rank" else 0):
-                    raise ConfigError(name, f"must be a {'non-negative' if name == 'q_lora_rank' else 'positive'} "
-                                      f"integer, got {v!r}")
         elif c.q_lora_rank or c.rope_head_dim or c.v_head_dim is not None:
             raise ConfigError("kv_lora_rank", "q_lora_rank, rope_head_dim and v_head_dim describe multi-head "
                               "latent attention, which kv_lora_rank = 0 turns off", "set kv_lora_rank")

@@ -12,7 +12,8 @@ from typing import Any, Mapping
 
 from autoplan.errors import ConfigError
 from autoplan.fields import FieldReader, load_json
-from autoplan.models.config import TransformerConfig
+from autoplan.limits import MAX_EXPERTS, MAX_FFN, MAX_HIDDEN, MAX_LAYERS
+from autoplan.models.config import MAX_AUX_LOSS_COEFF, TransformerConfig
 from autoplan.models.presets import apply_overrides
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "mixtral", "qwen2", "gpt2", "gpt_neox", "bert")
@@ -80,19 +81,19 @@ def _moe_fields(r: FieldReader, model_type: str) -> tuple[dict[str, Any], dict[s
     """The mixture-of-experts (and latent-attention) fields of a config, and the keys they came
     from (for error messages). Layer patterns the zoo cannot build are refused by name."""
     keys = _MOE_KEYS[model_type]
-    out: dict[str, Any] = {"num_experts": r.int(keys["num_experts"], minimum=2),
-                           "top_k": r.int(keys["top_k"], minimum=1)}
+    out: dict[str, Any] = {"num_experts": r.int(keys["num_experts"], minimum=2, maximum=MAX_EXPERTS),
+                           "top_k": r.int(keys["top_k"], minimum=1, maximum=MAX_EXPERTS)}
     if "moe_ffn_hidden" in keys:
-        out["moe_ffn_hidden"] = r.int(keys["moe_ffn_hidden"], minimum=1)
+        out["moe_ffn_hidden"] = r.int(keys["moe_ffn_hidden"], minimum=1, maximum=MAX_FFN)
     if "normalize_top_k" in keys:
         out["normalize_top_k"] = r.bool(keys["normalize_top_k"], _MOE_DEFAULTS["normalize_top_k"][model_type])
     out["aux_loss_coeff"] = r.float(keys["aux_loss_coeff"], _MOE_DEFAULTS["aux_loss_coeff"][model_type],
-                                    minimum=0.0)
+                                    minimum=0.0, maximum=MAX_AUX_LOSS_COEFF)
     if model_type == "qwen2_moe":
-        out["shared_ffn_hidden"] = r.int(keys["shared_ffn_hidden"], 0, minimum=0)
+        out["shared_ffn_hidden"] = r.int(keys["shared_ffn_hidden"], 0, minimum=0, maximum=MAX_FFN)
     if model_type in ("qwen2_moe", "qwen3_moe"):
-        step = r.int("decoder_sparse_step", 1, minimum=1)
-        dense = r.list("mlp_only_layers") if r.has("mlp_only_layers") else []
+        step = r.int("decoder_sparse_step", 1, minimum=1, maximum=MAX_LAYERS)
+        dense = r.ints("mlp_only_layers", [], minimum=0, maximum=MAX_LAYERS, max_len=MAX_LAYERS)
         if step != 1 or dense != list(range(len(dense))):
             bad = "decoder_sparse_step" if step != 1 else "mlp_only_layers"
             raise ConfigError(r.path(bad), "interleaves dense and expert layers, which the zoo cannot build "
@@ -100,16 +101,16 @@ def _moe_fields(r: FieldReader, model_type: str) -> tuple[dict[str, Any], dict[s
                               "use decoder_sparse_step 1 and mlp_only_layers [0, 1, ..., k-1]")
         out["dense_layers"] = len(dense)
     if model_type.startswith("deepseek"):
-        freq = r.int("moe_layer_freq", 1, minimum=1)
+        freq = r.int("moe_layer_freq", 1, minimum=1, maximum=MAX_LAYERS)
         if freq != 1:
             raise ConfigError(r.path("moe_layer_freq"), f"is {freq}: interleaved dense and expert layers "
                               "are not supported by the zoo", "use moe_layer_freq 1")
-        out["dense_layers"] = r.int(keys["dense_layers"], 0, minimum=0)
+        out["dense_layers"] = r.int(keys["dense_layers"], 0, minimum=0, maximum=MAX_LAYERS)
         routed = out.get("moe_ffn_hidden", 0)
-        out["shared_ffn_hidden"] = r.int("n_shared_experts", 0, minimum=0) * routed
+        out["shared_ffn_hidden"] = r.int("n_shared_experts", 0, minimum=0, maximum=MAX_EXPERTS) * routed
         for f in ("kv_lora_rank", "head_dim", "rope_head_dim", "v_head_dim"):
-            out[f] = r.int(keys[f], minimum=1)
-        out["q_lora_rank"] = r.int(keys["q_lora_rank"], None, minimum=1) or 0
+            out[f] = r.int(keys[f], minimum=1, maximum=MAX_HIDDEN)
+        out["q_lora_rank"] = r.int(keys["q_lora_rank"], None, minimum=1, maximum=MAX_HIDDEN) or 0
     return out, keys
 
 

@@ -20,7 +20,7 @@ import math
 from dataclasses import dataclass
 
 from autoplan.errors import ConfigError
-from autoplan.limits import MAX_EXPERTS, MAX_TOP_K
+from autoplan.limits import MAX_EXPERTS
 from autoplan.models.config import TransformerConfig
 from autoplan.models.spec import ActivationBytes, ExpertSpec, Gemm, LayerSpec, Split
 
@@ -137,11 +137,11 @@ def spec_from_dict(d: dict, where: str = "spec") -> LayerSpec:
         out = []
         r.list(key, max_len=100_000)
         for g in r.items(key):
-            g.reject_unknown(("m", "n", "k", "count", "shard_dim", "batch_dim", "in_core"))
+            g.reject_unknown(("m", "n", "k", "count", "shard_dim", "batch_dim", "in_core", "expert"))
             out.append(Gemm(m=num(g, "m"), n=num(g, "n"), k=num(g, "k"), count=num(g, "count", 1.0),
                             shard_dim=g.str("shard_dim", "", choices=("", "m", "n", "k", "count")),
                             batch_dim=g.str("batch_dim", "m", choices=("m", "n", "k", "count")),
-                            in_core=g.bool("in_core", False)))
+                            in_core=g.bool("in_core", False), expert=g.bool("expert", False)))
         return tuple(out)
 
     def experts(x: FieldReader | None) -> ExpertSpec | None:
@@ -149,7 +149,7 @@ def spec_from_dict(d: dict, where: str = "spec") -> LayerSpec:
             return None
         x.reject_unknown(("num_experts", "top_k", "params", "activation_bytes", "dispatch_bytes", "capacity_factor"))
         return ExpertSpec(num_experts=x.int("num_experts", minimum=1, maximum=MAX_EXPERTS),
-                          top_k=x.int("top_k", minimum=1, maximum=MAX_TOP_K),
+                          top_k=x.int("top_k", minimum=1, maximum=MAX_EXPERTS),
                           params=split("params", x), activation_bytes=split("activation_bytes", x),
                           dispatch_bytes=num(x, "dispatch_bytes"),
                           capacity_factor=x.float("capacity_factor", positive=True, maximum=1e6)
