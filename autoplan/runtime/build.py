@@ -93,15 +93,15 @@ def fill_shard(local: torch.Tensor, global_shape: tuple[int, ...], offset: tuple
     tiles of the global tensor, each seeded by (seed, key, tile), so they do not depend on
     how the tensor is sharded."""
     kind, std = rule
-    if kind == "normal_per_matrix":
-        # A stack of matrices (experts on dim 0): each matrix its own 2-D tensor, keyed by
-        # its global index, so a rank's experts and tensor-parallel slices of them
-        # (dims 1 or 2) get the values they have in the whole stack.
-        for e in range(local.shape[0]):
-            fill_shard(local[e], tuple(global_shape[1:]), tuple(offset[1:]), ("normal", std), seed,
-                       f"{key}/{offset[0] + e}")
-        return
     with torch.no_grad():
+        if kind == "normal_per_matrix":
+            # A stack of matrices (experts on dim 0): each matrix its own 2-D tensor, keyed
+            # by its global index, so a rank's experts and tensor-parallel slices of them
+            # (dims 1 or 2) get the values they have in the whole stack.
+            for e in range(local.shape[0]):
+                fill_shard(local[e], tuple(global_shape[1:]), tuple(offset[1:]), ("normal", std), seed,
+                           f"{key}/{offset[0] + e}")
+            return
         if kind == "zeros":
             local.zero_()
             return
