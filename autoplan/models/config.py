@@ -215,8 +215,9 @@ class TransformerConfig:
                 c = dataclasses.replace(c, v_head_dim=c.head_dim)
             for name in ("kv_lora_rank", "q_lora_rank", "v_head_dim", "rope_head_dim"):
                 v = getattr(c, name)
-                if not isinstance(v, int) or isinstance(v, bool) or v < (1 if name != "q_lora_rank" else 0):
-                    raise ConfigError(name, f"must be a {'non-negative' if name == 'q_lora_rank' else 'positive'} "
+                low = 0 if name in ("q_lora_rank", "rope_head_dim") else 1   # a 0 rotary part: see below
+                if not isinstance(v, int) or isinstance(v, bool) or v < low:
+                    raise ConfigError(name, f"must be a {'non-negative' if low == 0 else 'positive'} "
                                       f"integer, got {str(v)[:40]!r}")
                 check_int(v, name, maximum=MAX_HIDDEN)
             if c.rope_head_dim < 2 or c.rope_head_dim % 2 or c.position != "rope":
