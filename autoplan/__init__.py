@@ -37,18 +37,40 @@ def estimate(model, cluster, plan, stack=None, calibration=None, **options):
     """Predict iteration time and per-rank memory of ``plan`` on the training ``stack``
     (a name such as 'megatron-core', a stack .json path, or None for autoplan's runtime),
     optionally with a ``calibration`` (a Calibration or its .json path); other keywords
-    are ``costmodel.EstimateOptions`` fields (see costmodel.estimate)."""
+    are ``costmodel.EstimateOptions`` fields (see costmodel.estimate).
+
+    A plan with operator layouts is estimated on the layouts' view of the model's operator
+    graph (for an ``nn.Module`` pass ``example_inputs=``, and ``loss=``/``loss_target=`` if
+    the layouts were searched with them)."""
     # Imported here: costmodel sits above this package's core modules in the layering.
     from costmodel import estimate as _estimate
     from autoplan.stacks import get_stack
     stack = get_stack(stack)
+    if plan.layouts is not None:
+        from autoplan.models.graph import ModelGraph, capture_model
+        from autoplan.models.opview import plan_view
+        capture = {k: options.pop(k) for k in ("example_inputs", "loss_target", "loss") if k in options}
+        if "loss_target" in capture:
+            capture["target"] = capture.pop("loss_target")
+        if isinstance(model, models.ModelSpec) and model.config is not None:
+            model = model.config
+        graph = model if isinstance(model, ModelGraph) else capture_model(model, dtype=plan.dtype, **capture)
+        return _estimate(plan_view(graph, plan), cluster, plan, stack=stack,
+                         calibration=_calibration(calibration), **options)
     return _estimate(models.for_stack(model, stack, dtype=plan.dtype), cluster, plan, stack=stack,
                      calibration=_calibration(calibration), **options)
 
 
-def search(model, cluster, global_batch: int, stack=None, calibration=None, **constraints):
+def search(model, cluster, global_batch: int, stack=None, calibration=None, *, layouts: bool = False,
+           **constraints):
     """Find the best plans for ``model`` on ``cluster`` for the training ``stack`` (see
-    search.search; ``calibration`` as for :func:`estimate`)."""
+    search.search; ``calibration`` as for :func:`estimate`). With ``layouts=True`` every
+    operator's layout on the tensor-parallel axis is searched too (any ``nn.Module``: pass
+    ``example_inputs=``; see search.operators)."""
+    if layouts:
+        from search.operators import search_operator_plans
+        return search_operator_plans(model, cluster, global_batch, stack=stack,
+                                     calibration=_calibration(calibration), **constraints)
     from search import search as _search
     from autoplan.stacks import TARGET_STACKS, get_stack
     if stack is None:

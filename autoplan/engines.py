@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from autoplan.errors import ConfigError, closest
-from autoplan.plan import SCHEDULES, Plan
+from autoplan.plan import CP_COMMS, SCHEDULES, Plan
 
 if TYPE_CHECKING:
     from autoplan.cluster import Cluster
@@ -68,6 +68,12 @@ class Engine:
     split: str = "any"
     """Layer splits it can give a pipeline: 'any' (an explicit layout), or 'uniform-units'
     (DeepSpeed's ``PipelineModule(partition_method='uniform')`` over the model's units)."""
+    cp_comms: tuple[str, ...] = CP_COMMS
+    """Context-parallel exchanges it runs (autoplan.plan.CP_COMMS); empty: no context
+    parallelism."""
+    cp_chunks_2cp: bool = False
+    """The sequence must split into 2*cp chunks whatever the exchange (Megatron-LM's
+    validate_args asks it of every context-parallel run)."""
     zero3_excludes_fp16: bool = False
     """ZeRO-3 is unavailable in fp16 (Megatron-LM's torch FSDP2)."""
     zero3_needs_untied: bool = False
@@ -98,6 +104,10 @@ class Engine:
                      "zero": self.zero, "recompute": self.recompute}
         if not self.tensor_parallel:
             out["tp"] = (1,)
+        if self.cp_comms:
+            out["cp_comm"] = self.cp_comms
+        else:
+            out["cp"] = (1,)
         return out
 
     def dtype_for(self, cluster: "Cluster", wanted: str = "bf16") -> str:
@@ -126,14 +136,18 @@ TORCHTITAN_PRESETS.update({   # mixtures of experts with a config function in to
 ENGINES: dict[str, Engine] = {e.name: e for e in (
     Engine(name="autoplan", title="autoplan", version="this package"),
     Engine(name="megatron", title="Megatron-LM", version=f"main @ {MEGATRON_COMMIT[:7]} (2026-08-22)",
-           schedules=("1f1b", "interleaved-1f1b"), zero=(0, 1, 3),
+           schedules=("1f1b", "interleaved-1f1b"), zero=(0, 1, 3), cp_chunks_2cp=True,
            zero_with_pipeline=(0, 1), zero3_excludes_fp16=True, zero3_needs_untied=True,
            interleave_needs_multiple=True, models=("gpt", "llama", "moe", "bert")),
-    Engine(name="deepspeed", title="DeepSpeed", version="0.19.8", tensor_parallel=False,
+    # DeepSpeed-Ulysses is set up in the model code, not in the config: no context parallelism.
+    Engine(name="deepspeed", title="DeepSpeed", version="0.19.8", tensor_parallel=False, cp_comms=(),
            schedules=("1f1b",), zero=(0, 1, 2, 3), zero_with_pipeline=(0, 1), recompute=("none", "full"),
            split="uniform-units"),
     Engine(name="torchtitan", title="torchtitan", version="0.3.0 (0.2.2 with --engine-version 0.2)",
            zero=(0, 3), zero_with_pipeline=(0, 3), dtypes=("bf16", "fp32"),
+           # Ring attention only; 0.3 has no rotate-method setting and runs PyTorch's default,
+           # the all-gather of keys and values.
+           cp_comms=("all_gather",),
            microbatch_rules=True, models=("llama", "moe"), presets=TORCHTITAN_PRESETS),
 )}
 """Every engine by name."""
@@ -145,7 +159,9 @@ VERSIONS: dict[str, dict[str, Engine]] = {
         "0.3": ENGINES["torchtitan"],
         # 0.2.x reads TOML and always pairs tensor with sequence parallelism (0.3 added
         # parallelism.enable_sequence_parallel).
-        "0.2": dataclasses.replace(ENGINES["torchtitan"], version="0.2.2", sequence_parallel_without=False),
+        # 0.2.x also chooses the rotation (parallelism.context_parallel_rotate_method).
+        "0.2": dataclasses.replace(ENGINES["torchtitan"], version="0.2.2", sequence_parallel_without=False,
+                                   cp_comms=("p2p", "all_gather")),
     },
 }
 """Engines whose releases differ in what they express: name -> version -> Engine."""
@@ -195,6 +211,17 @@ def violation(plan: Plan, engine: "Engine | str", model: "ModelSpec | None" = No
                            "setting (it comes from the model code, e.g. Megatron-DeepSpeed)",
                            f"nearest: the same plan with tp=1 and {max(tps)}x the data parallelism, or "
                            "export --to megatron")
+    if plan.cp > 1 and plan.cp_comm not in e.cp_comms:
+        if not e.cp_comms:
+            return ConfigError("groups[].cp", f"the plan splits sequences over {plan.cp} ranks (context "
+                               f"parallelism), which is not a {t} setting (DeepSpeed-Ulysses lives in the model code)",
+                               f"nearest: the same plan with cp=1 and {plan.cp}x the data parallelism, or "
+                               "export --to megatron")
+        return ConfigError("cp_comm", f"{t}'s context parallelism has no {plan.cp_comm!r} exchange (it runs "
+                           f"{', '.join(e.cp_comms)})", f"nearest: cp_comm={e.cp_comms[0]}")
+    if plan.cp > 1 and e.cp_chunks_2cp and plan.seq_len and plan.seq_len % (2 * plan.cp):
+        return ConfigError("groups[].cp", f"{t} needs the sequence ({plan.seq_len}) to be a multiple of 2*cp = "
+                           f"{2 * plan.cp}, whatever the exchange", f"nearest: cp={plan.cp // 2 or 1}")
     if plan.sequence_parallel is False and max(tps) > 1 and not e.sequence_parallel_without:
         return ConfigError("sequence_parallel", f"{t}'s tensor parallelism always shards the sequence",
                            "nearest: the same plan with sequence_parallel=true")

@@ -72,6 +72,10 @@ def export(plan: Plan, target: str, model: "ModelSpec | None" = None, cluster: "
     release (torchtitan: '0.3', the default, or '0.2')."""
     if target not in TARGETS:
         raise ConfigError("to", f"{target!r} is not an export target", f"choose one of {', '.join(TARGETS)}")
+    if plan.layouts is not None:
+        # Engines take one tensor-parallel recipe per model family, not a layout per operator.
+        raise ConfigError("layouts", f"per-operator layouts cannot be expressed as a {target} configuration",
+                          "run the plan with autoplan.runtime.operators, or export a plan searched without --layouts")
     engine = get_engine(target, engine_version)
     if model is not None:
         _check_model(plan, model)
@@ -210,6 +214,11 @@ def megatron_args(plan: Plan, model: "ModelSpec | None" = None) -> tuple[list[st
                          "--pipeline-model-parallel-layout")
     if plan.sequence_parallel and tp > 1:
         argv.append("--sequence-parallel")
+    if plan.cp > 1:
+        # Megatron-Core's exchange names are the plan's: p2p, all_gather, a2a.
+        argv += ["--context-parallel-size", str(plan.cp), "--cp-comm-type", plan.cp_comm]
+        notes.append("Megatron-LM runs context parallelism in Transformer Engine's attention "
+                     "(--transformer-impl transformer_engine)")
     argv += ["--micro-batch-size", str(plan.micro_batch), "--global-batch-size", str(plan.global_batch)]
     recompute = plan.recompute
     if recompute == "selective":
@@ -224,9 +233,9 @@ def megatron_args(plan: Plan, model: "ModelSpec | None" = None) -> tuple[list[st
         # and wants several CUDA connections (validate_args refuses CUDA_DEVICE_MAX_CONNECTIONS=1).
         argv += ["--use-torch-fsdp2", "--no-gradient-accumulation-fusion"]
         env["CUDA_DEVICE_MAX_CONNECTIONS"] = None
-    if tp > 1 and plan.zero != 3:
-        # Tensor (and sequence) parallel communication must be queued before the compute it
-        # overlaps; Megatron-LM asserts this for GPUs before Blackwell.
+    if (tp > 1 or plan.cp > 1) and plan.zero != 3:
+        # Tensor (and sequence) and context parallel communication must be queued before the
+        # compute it overlaps; Megatron-LM asserts this for GPUs before Blackwell.
         env["CUDA_DEVICE_MAX_CONNECTIONS"] = "1"
     if plan.dtype == "bf16":
         argv.append("--bf16")
@@ -480,6 +489,16 @@ def torchtitan_settings(plan: Plan, model: "ModelSpec | None" = None, version: s
         # The experts over ep of the FSDP-sharded ranks (autoplan.engines refuses the plans
         # where torchtitan's expert parallelism would mean another layout).
         parallel["expert_parallel_degree"] = plan.ep
+    if plan.cp > 1:
+        parallel["context_parallel_degree"] = plan.cp
+        if len(engine.cp_comms) > 1:
+            # 0.2: 'alltoall' passes key/value shards around the ring (PyTorch's permutation).
+            parallel["context_parallel_rotate_method"] = {"p2p": "alltoall", "all_gather": "allgather"}[plan.cp_comm]
+        if plan.zero == 0:
+            # torchtitan applies FSDP over its flattened (data-shard, context) mesh whenever
+            # context parallelism is on.
+            notes.append(f"torchtitan shards parameters over the {plan.cp} context ranks (FSDP over data-shard x "
+                         "context): the plan's ZeRO-0 runs with them sharded there")
     parallel["pipeline_parallel_degree"] = pp
     parallel["pipeline_parallel_schedule"] = TORCHTITAN_SCHEDULES[plan.schedule]
     head = "lm_head" if engine.version.startswith("0.3") else "output"

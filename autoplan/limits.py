@@ -48,3 +48,9 @@ MAX_TOP_K = 1_000
 """Plans a search may be asked to show."""
 MAX_STEPS = 100_000_000
 """Training steps of one run."""
+MAX_UNIT_OPS = 1_000_000
+"""Operators in one unit's captured graph (a transformer block has a few hundred)."""
+MAX_UNIT_PARAMS = 100_000
+"""Parameters of one unit named in a per-operator layout."""
+MAX_OP_TENSORS = 4_096
+"""Tensor arguments or outputs of one operator in a layout (aten operators have a handful)."""

@@ -1,12 +1,14 @@
 """Plan: how a model is split over a cluster. JSON round-trippable and validated.
 
 A plan has ``pp`` device groups (pipeline ranks), each a set of cluster ranks laid out
-as a (dp x tp) grid with tensor-parallel ranks adjacent (inside a node). The model's
+as a (dp x cp x tp) grid with tensor-parallel ranks adjacent (inside a node), then the
+context-parallel ranks that split each sequence, then data replicas. The model's
 units are cut into ``pp * virtual_stages`` contiguous *stages*; stage ``s`` runs on
 group ``s % pp`` (interleaved schedules loop over the groups ``virtual_stages`` times).
 Data-parallel degree is the same for every group, so every micro-batch passes every
 stage once; tensor-parallel degree may differ per group (heterogeneous clusters). A
-mixture-of-experts model's experts are split over ``ep`` of each group's data-parallel ranks.
+mixture-of-experts model's experts are split over ``ep`` of each group's data-parallel x
+context-parallel ranks.
 """
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ from typing import TYPE_CHECKING, Sequence
 
 from autoplan.errors import ConfigError
 from autoplan.fields import FieldReader, load_json
+from autoplan.layouts import Layouts
 from autoplan.limits import (MAX_GLOBAL_BATCH, MAX_GPUS, MAX_MICRO_BATCH, MAX_MICRO_BATCHES, MAX_SCHEDULE_SLOTS,
                              MAX_SEQ_LEN, MAX_UNITS, MAX_VIRTUAL_STAGES)
 from autoplan.models.spec import RECOMPUTE_MODES
@@ -26,9 +29,16 @@ if TYPE_CHECKING:
     from autoplan.models.spec import ModelSpec
 
 SCHEMA_VERSION = 2
-"""Version 2 added ``ep`` (and context parallelism's ``groups[i].cp``); version 1 files are read
-with the missing degrees = 1."""
+"""Version 2 added context parallelism (``groups[i].cp``, ``cp_comm``) and expert parallelism
+(``ep``); version 1 files are read with the missing degrees = 1."""
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble")
+CP_COMMS = ("p2p", "all_gather", "a2a")
+"""How context-parallel attention exchanges the sequence (Megatron-Core's ``--cp-comm-type``
+names): 'p2p' passes key/value chunks around a ring, overlapped with attention on the
+chunk at hand; 'all_gather' gathers every rank's keys/values before attention (Llama 3's
+choice); 'a2a' (Ulysses) trades the sequence split for a head split with all-to-alls
+around attention. The first two split the sequence zig-zag (rank r holds chunks r and
+2cp-1-r of 2cp) so causal attention costs every rank the same."""
 
 
 @dataclass(frozen=True)
@@ -36,18 +46,35 @@ class DeviceGroup:
     """The ranks that run one pipeline position."""
 
     ranks: tuple[int, ...]
-    """Cluster ranks, laid out dp-major: ranks[d * tp + t] is data replica d, tensor shard t."""
+    """Cluster ranks, laid out dp-major, then cp, then tp: ranks[(d * cp + c) * tp + t] is
+    data replica d, context (sequence) shard c, tensor shard t."""
     tp: int
     """Tensor-parallel degree inside this group."""
+    cp: int = 1
+    """Context-parallel degree: ranks that split each sequence (the same in every group)."""
 
     @property
     def dp(self) -> int:
-        return len(self.ranks) // self.tp
+        return len(self.ranks) // (self.tp * self.cp)
 
     def tp_groups(self) -> list[tuple[int, ...]]:
-        return [self.ranks[d * self.tp:(d + 1) * self.tp] for d in range(self.dp)]
+        """Ranks of one (replica, sequence shard), one tuple per pair."""
+        return [self.ranks[i * self.tp:(i + 1) * self.tp] for i in range(self.dp * self.cp)]
+
+    def cp_groups(self) -> list[tuple[int, ...]]:
+        """Ranks that split one replica's sequences, one tuple per (replica, tensor shard)."""
+        tp, cp = self.tp, self.cp
+        return [tuple(self.ranks[(d * cp + c) * tp + t] for c in range(cp))
+                for d in range(self.dp) for t in range(tp)]
 
     def dp_groups(self) -> list[tuple[int, ...]]:
+        """Ranks holding the same (sequence shard, tensor shard) of different replicas."""
+        return [self.ranks[i::self.tp * self.cp] for i in range(self.tp * self.cp)]
+
+    def dp_cp_groups(self) -> list[tuple[int, ...]]:
+        """Ranks holding the same tensor shard of the weights: every replica and sequence
+        shard. Gradients are reduced, and ZeRO shards states, over these (as Megatron-Core
+        folds context parallelism into data parallelism for the weights)."""
         return [self.ranks[t::self.tp] for t in range(self.tp)]
 
     def ep_groups(self, ep: int) -> list[tuple[int, ...]]:
@@ -110,13 +137,19 @@ class Plan:
     """Expert-parallel degree: each routed-expert layer's experts are split over ``ep`` ranks
     drawn from a group's data-parallel (x context-parallel) ranks, which exchange tokens by
     all-to-all (see :meth:`DeviceGroup.ep_groups`); expert states are ZeRO-sharded over the
-    remaining dp / ep ranks that hold the same experts."""
+    remaining dp x cp / ep ranks that hold the same experts."""
     dtype: str = "bf16"
     """Compute dtype (mixed precision with fp32 master weights and Adam states)."""
     model: str = ""
     """Name of the model the plan was made for (informational)."""
     seq_len: int = 0
     """Sequence length the plan was made for (informational; 0 = unknown)."""
+    layouts: Layouts | None = None
+    """Per-operator layouts on the tensor-parallel axis (see autoplan.layouts), replacing the
+    model family's tensor-parallel recipe; None = the recipe (Megatron-style)."""
+    cp_comm: str = "p2p"
+    """How context-parallel attention exchanges the sequence: 'p2p', 'all_gather' or 'a2a'
+    (see CP_COMMS); only meaningful when cp > 1."""
 
     # ------------------------------------------------------------- derived
     @property
@@ -131,6 +164,11 @@ class Plan:
     def tp(self) -> int:
         """The tensor-parallel degree when uniform; the largest one otherwise."""
         return max(g.tp for g in self.groups)
+
+    @property
+    def cp(self) -> int:
+        """Context-parallel degree (every group has the same)."""
+        return self.groups[0].cp
 
     @property
     def num_gpus(self) -> int:
@@ -154,29 +192,35 @@ class Plan:
         split = ",".join(str(s.num_layers) for s in self.stages)
         v = f" v={self.virtual_stages}" if self.virtual_stages > 1 else ""
         ep = f" ep={self.ep}" if self.ep > 1 else ""
-        return (f"dp={self.dp} tp={tp} pp={self.pp}{v}{ep} mb={self.micro_batch}x{self.num_micro_batches} "
+        cp = f" cp={self.cp}({self.cp_comm})" if self.cp > 1 else ""
+        ops = ""
+        if self.layouts is not None:
+            cs = max((u.coshard for u in self.layouts.units), default=1)
+            ops = " op-layouts" + (f" coshard={cs}" if cs > 1 else "") + (" interlaced" if self.layouts.interlaced else "")
+        return (f"dp={self.dp} tp={tp} pp={self.pp}{cp}{v}{ep} mb={self.micro_batch}x{self.num_micro_batches} "
                 f"{self.schedule} zero={self.zero} recompute={self.recompute}"
-                f"{' sp' if self.sequence_parallel else ''} split=[{split}]")
+                f"{' sp' if self.sequence_parallel else ''}{ops} split=[{split}]")
 
     # ---------------------------------------------------------- construction
     @classmethod
     def uniform(cls, model: "ModelSpec", cluster: "Cluster", *, tp: int, pp: int, dp: int,
                 micro_batch: int, global_batch: int, schedule: str = "1f1b", virtual_stages: int = 1,
                 recompute: str = "none", sequence_parallel: bool = False, zero: int = 0,
-                dtype: str = "bf16", first_rank: int = 0, ep: int = 1) -> "Plan":
-        """Megatron-style plan: ranks in order (tensor-parallel fastest, then data, then
-        pipeline), transformer blocks split evenly, embedding on the first stage and the
-        head on the last."""
-        for name, v in (("tp", tp), ("pp", pp), ("dp", dp), ("micro_batch", micro_batch),
+                dtype: str = "bf16", first_rank: int = 0, cp: int = 1, cp_comm: str = "p2p",
+                ep: int = 1) -> "Plan":
+        """Megatron-style plan: ranks in order (tensor-parallel fastest, then context, then
+        data, then pipeline), transformer blocks split evenly, embedding on the first stage
+        and the head on the last."""
+        for name, v in (("tp", tp), ("cp", cp), ("pp", pp), ("dp", dp), ("micro_batch", micro_batch),
                         ("global_batch", global_batch), ("virtual_stages", virtual_stages), ("ep", ep)):
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ConfigError(name, f"must be a positive integer, got {v!r}")
         if global_batch % (micro_batch * dp):
             raise ConfigError("global_batch", f"{global_batch} is not divisible by micro_batch*dp = "
                               f"{micro_batch}*{dp}", "pick a global batch that is a multiple of it")
-        per_group = tp * dp
+        per_group = tp * cp * dp
         groups = tuple(DeviceGroup(ranks=tuple(range(first_rank + p * per_group,
-                                                     first_rank + (p + 1) * per_group)), tp=tp)
+                                                     first_rank + (p + 1) * per_group)), tp=tp, cp=cp)
                        for p in range(pp))
         n_stages = pp * virtual_stages
         bounds = even_split(model, n_stages)
@@ -185,7 +229,7 @@ class Plan:
         plan = cls(groups=groups, stages=stages, micro_batch=micro_batch,
                    num_micro_batches=global_batch // (micro_batch * dp), schedule=schedule,
                    virtual_stages=virtual_stages, sequence_parallel=sequence_parallel, zero=zero,
-                   dtype=dtype, model=model.name, seq_len=model.seq_len, ep=ep)
+                   dtype=dtype, model=model.name, seq_len=model.seq_len, cp_comm=cp_comm, ep=ep)
         plan.validate(model, cluster)
         return plan
 
@@ -220,6 +264,8 @@ class Plan:
                               "use larger micro-batches or fewer pipeline stages")
         if not isinstance(self.ep, int) or isinstance(self.ep, bool) or not 1 <= self.ep <= MAX_GPUS:
             raise ConfigError("ep", f"must be an integer in 1..{MAX_GPUS:,}, got {self.ep!r}")
+        if self.cp_comm not in CP_COMMS:
+            raise ConfigError("cp_comm", f"{self.cp_comm!r} is not one of {list(CP_COMMS)}")
         if self.virtual_stages > 1 and self.schedule != "interleaved-1f1b":
             raise ConfigError("virtual_stages", f"{self.virtual_stages} needs schedule 'interleaved-1f1b'",
                               f"got schedule {self.schedule!r}; set virtual_stages to 1")
@@ -230,10 +276,16 @@ class Plan:
                 raise ConfigError(f"{where}.ranks", "a device group needs at least one rank")
             if g.tp < 1 or len(g.ranks) % g.tp:
                 raise ConfigError(f"{where}.tp", f"{g.tp} does not divide the group's {len(g.ranks)} ranks")
-            if (len(g.ranks) // max(g.tp, 1)) % self.ep:
-                raise ConfigError("ep", f"{self.ep} does not divide the {len(g.ranks) // g.tp} data-parallel "
-                                  f"ranks of groups[{i}]", "experts are split over data-parallel ranks: "
-                                  "pick an ep that divides dp")
+            if not isinstance(g.cp, int) or g.cp < 1 or len(g.ranks) % (g.tp * g.cp):
+                raise ConfigError(f"{where}.cp", f"{g.cp} does not divide the group's {len(g.ranks)} ranks "
+                                  f"into tensor-parallel groups of {g.tp}")
+            if g.cp != self.groups[0].cp:
+                raise ConfigError(f"{where}.cp", f"context-parallel degree {g.cp} differs from group 0's "
+                                  f"{self.groups[0].cp}", "every pipeline rank splits the sequence alike")
+            if (len(g.ranks) // g.tp) % self.ep:
+                raise ConfigError("ep", f"{self.ep} does not divide the {len(g.ranks) // g.tp} data-parallel x "
+                                  f"context-parallel ranks of groups[{i}]", "experts are split over the "
+                                  "data-parallel x context-parallel ranks: pick an ep that divides dp x cp")
             if g.dp != self.groups[0].dp:
                 raise ConfigError(f"{where}.ranks", f"data-parallel degree {g.dp} differs from group 0's "
                                   f"{self.groups[0].dp}", "every pipeline rank needs the same dp")
@@ -264,6 +316,14 @@ class Plan:
             if s.recompute not in RECOMPUTE_MODES:
                 raise ConfigError(f"{where}.recompute", f"{s.recompute!r} is not one of {list(RECOMPUTE_MODES)}")
             prev_end = s.end
+        if self.layouts is not None:
+            self.layouts.validate(model.num_layers if model is not None else None)
+            if self.sequence_parallel:
+                raise ConfigError("sequence_parallel", "cannot be combined with operator layouts",
+                                  "operator layouts say where activations are sharded: set it to false")
+            if self.cp > 1:
+                raise ConfigError("groups[0].cp", f"is {self.cp}, but operator layouts cover the tensor-parallel "
+                                  "axis only", "use cp=1 with layouts, or drop the layouts section")
         if model is not None:
             if prev_end != model.num_layers:
                 raise ConfigError(f"stages[{len(self.stages) - 1}].end", f"is {prev_end}, but the model has "
@@ -280,7 +340,34 @@ class Plan:
                     raise ConfigError(f"groups[{i}].tp", f"{g.tp} does not divide the model's attention heads "
                                       f"({model.heads} heads, {model.kv_heads} kv heads)",
                                       f"allowed: {allowed}")
+            if self.cp > 1:
+                self._validate_context(model)
         return self
+
+    def _validate_context(self, model: "ModelSpec") -> None:
+        """The sequence and the heads must split as the context-parallel exchange needs."""
+        cp, comm = self.cp, self.cp_comm
+        if not model.heads:
+            raise ConfigError("groups[0].cp", f"{cp}: context parallelism splits a transformer's sequence, "
+                              f"and {model.name} has no attention heads autoplan knows", "set cp to 1")
+        causal = any(l.causal for l in model.layers)
+        if comm == "a2a":
+            chunks, why = cp, "a2a gives each rank an equal part"
+        elif causal:
+            chunks, why = 2 * cp, f"{comm} splits it zig-zag into 2*cp chunks to balance causal attention"
+        else:
+            chunks, why = cp, f"{comm} gives each rank an equal part"
+        if model.seq_len % chunks:
+            raise ConfigError("groups[0].cp", f"{cp}: sequence length {model.seq_len} is not divisible by "
+                              f"{chunks} ({why})", "pick a cp (or a sequence length) that divides")
+        if comm == "a2a":
+            for i, g in enumerate(self.groups):
+                for name, n in (("heads", model.heads), ("kv heads", model.kv_heads or model.heads)):
+                    local = max(n // g.tp, 1)   # tp > kv heads keeps one (replicated) per rank
+                    if local % cp:
+                        raise ConfigError(f"groups[{i}].cp", f"{cp}: a2a scatters heads over the context-"
+                                          f"parallel ranks, but a tensor-parallel rank holds {local} {name}",
+                                          "use cp_comm 'p2p' or 'all_gather', or a cp that divides them")
 
     # ------------------------------------------------------------------ JSON
     def to_dict(self) -> dict:
@@ -290,17 +377,19 @@ class Plan:
             "micro_batch": self.micro_batch, "num_micro_batches": self.num_micro_batches,
             "global_batch": self.global_batch, "sequence_parallel": self.sequence_parallel,
             "zero": self.zero, "ep": self.ep,
-            "groups": [{"ranks": list(g.ranks), "tp": g.tp} for g in self.groups],
+            **({"cp_comm": self.cp_comm} if self.cp > 1 else {}),
+            "groups": [{"ranks": list(g.ranks), "tp": g.tp, **({"cp": g.cp} if g.cp > 1 else {})}
+                       for g in self.groups],
             "stages": [{"layers": [s.start, s.end], "group": s.group, "recompute": s.recompute}
                        for s in self.stages],
-        }
+        } | ({"layouts": self.layouts.to_dict()} if self.layouts is not None else {})
 
     @classmethod
     def from_dict(cls, data: dict, where: str = "plan") -> "Plan":
         r = FieldReader(data, where)
         r.reject_unknown(("schema_version", "model", "seq_len", "dtype", "schedule", "virtual_stages",
                           "micro_batch", "num_micro_batches", "global_batch", "sequence_parallel",
-                          "zero", "groups", "stages", "estimate", "ep"))
+                          "zero", "groups", "stages", "estimate", "layouts", "cp_comm", "ep"))
         version = r.int("schema_version", minimum=1)
         if version > SCHEMA_VERSION:
             raise ConfigError(r.path("schema_version"), f"{version} is newer than this autoplan "
@@ -308,9 +397,10 @@ class Plan:
         groups = []
         r.list("groups", nonempty=True, max_len=MAX_GPUS)
         for g in r.items("groups", nonempty=True):
-            g.reject_unknown(("ranks", "tp", "device"))
+            g.reject_unknown(("ranks", "tp", "cp", "device"))
             ranks = g.ints("ranks", nonempty=True, minimum=0, maximum=MAX_GPUS - 1, max_len=MAX_GPUS)
-            groups.append(DeviceGroup(ranks=tuple(ranks), tp=g.int("tp", minimum=1, maximum=MAX_GPUS)))
+            groups.append(DeviceGroup(ranks=tuple(ranks), tp=g.int("tp", minimum=1, maximum=MAX_GPUS),
+                                      cp=g.int("cp", 1, minimum=1, maximum=MAX_GPUS)))
         stages = []
         r.list("stages", nonempty=True, max_len=MAX_UNITS * MAX_VIRTUAL_STAGES)
         for s in r.items("stages", nonempty=True):
@@ -329,7 +419,9 @@ class Plan:
                    zero=r.int("zero", 0, minimum=0, maximum=3),
                    dtype=r.str("dtype", "bf16", choices=("bf16", "fp16", "fp32")),
                    ep=r.int("ep", 1, minimum=1, maximum=MAX_GPUS),
-                   model=r.str("model", ""), seq_len=r.int("seq_len", 0, minimum=0, maximum=MAX_SEQ_LEN))
+                   model=r.str("model", ""), seq_len=r.int("seq_len", 0, minimum=0, maximum=MAX_SEQ_LEN),
+                   layouts=Layouts.from_dict(r.raw("layouts"), r.path("layouts")) if r.has("layouts") else None,
+                   cp_comm=r.str("cp_comm", "p2p", choices=CP_COMMS))
         plan.validate()
         if r.has("global_batch"):
             stated = r.int("global_batch", minimum=1, maximum=MAX_GLOBAL_BATCH)

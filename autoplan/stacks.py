@@ -92,6 +92,9 @@ class Stack:
     """Data-parallel gradient reduction overlaps the backward (bucketed)."""
     overlap_param_gather: bool = True
     """ZeRO-1/2's parameter all-gather after the step overlaps the next forward."""
+    overlap_cp_exchange: bool = True
+    """Context-parallel key/value transfers overlap the attention computed meanwhile (the
+    ring steps of Megatron-Core's p2p exchange and of PyTorch's ring attention)."""
     blocking_p2p: bool = True
     """Pipeline sends hold the sending rank until they complete (batched send/recv)."""
     cuda_context_bytes: float = 0.6 * GiB

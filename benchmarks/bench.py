@@ -44,6 +44,7 @@ BASELINES = ("megatron", "deepspeed-zero3", "deepspeed-3d")
 BASELINE_TITLES = {"megatron": "Megatron-LM", "deepspeed-zero3": "DeepSpeed ZeRO-3", "deepspeed-3d": "DeepSpeed 3D",
                    "searched": "autoplan (searched)"}
 TOLERANCE = 1e-9
+"""Relative slack when comparing iteration times (float noise, not a performance margin)."""
 
 TARGETS = ("megatron", "deepspeed", "torchtitan")
 """Engines the searched plan is also found for (``search --for``), each against its own rule."""
@@ -67,7 +68,6 @@ TARGET_RULES = {
 def _baselines():
     from autoplan import baselines
     return baselines
-"""Relative slack when comparing iteration times (float noise, not a performance margin)."""
 
 
 # ----------------------------------------------------------------------------- scenarios

@@ -93,7 +93,7 @@ def roofline_timing(device: DeviceSpec, eff: Efficiency, layer: LayerSpec, micro
     b, sp = micro_batch, sequence_parallel
     gemms = lambda gs, select=lambda g: True: _gemms_time(device, eff, gs, b, tp, dtype, select, ep, load)  # noqa: E731
     peak = device.peak(dtype)
-    causal = 0.5 if layer.causal else 1.0
+    causal = (0.5 if layer.causal else 1.0) * layer.attention_fraction
     bw = device.memory_bandwidth * eff.memory
     att_fwd, att_bwd = eff.attention(attention)
     attn_f = layer.attention_flops_fwd.at(tp) * b * causal / (peak * att_fwd)

@@ -17,9 +17,11 @@ from costmodel import experts
 from costmodel.calibration import Calibration
 from costmodel.comm import collective_time, p2p_time
 from costmodel.compute import ProfileSource, layer_timing
+from costmodel.context import context_shard, stage_exchange
 from costmodel.efficiency import default_efficiency
 from costmodel.memory import (DEFAULT_MEMORY_MARGIN, GroupMemory, activation_bytes, group_memory,
                               model_state_bytes, optimizer_step_bytes, transient_bytes)
+from costmodel.redistribute import layout_comm
 from costmodel.simulate import Event, StageCosts, simulate
 from costmodel.uncertainty import error_bands
 
@@ -189,23 +191,30 @@ def device_timing_inputs(device, options: EstimateOptions):
 def plan_expert_load(model: ModelSpec, plan: Plan, options: EstimateOptions) -> float:
     """The busiest expert rank's load over the balanced share for this plan (1 for dense models)."""
     spec = next((l.experts for l in model.layers if l.experts is not None), None)
-    return experts.expert_load(spec, plan.ep, plan.micro_batch * (model.tokens_per_sample or model.seq_len),
+    return experts.expert_load(spec, plan.ep, plan.micro_batch * (model.tokens_per_sample or model.seq_len) / plan.cp,
                                options.expert_load)
+
+
+def _pipeline_groups(plan: Plan) -> list[tuple[int, ...]]:
+    """Per data-parallel replica, every tensor-parallel rank of every pipeline group."""
+    return [sum((g.tp_groups()[d] for g in plan.groups), ()) for d in range(plan.dp)]
 
 
 def stage_costs(model: ModelSpec, cluster: Cluster, plan: Plan, options: EstimateOptions,
                 sources: dict[str, str] | None = None) -> list[StageCosts]:
     """Per-micro-batch costs of every stage of the plan."""
-    b, sp, dtype = plan.micro_batch, plan.sequence_parallel, plan.dtype
+    b, sp, dtype, cp = plan.micro_batch, plan.sequence_parallel, plan.dtype, plan.cp
     stack = options.stack
     ep, load = plan.ep, plan_expert_load(model, plan, options)
     out = []
     n = len(plan.stages)
     for s_idx, stage in enumerate(plan.stages):
         group = plan.groups[stage.group]
-        tp, dp = group.tp, group.dp
-        layers = model.layers[stage.start:stage.end]
-        tp_groups, dp_groups = group.tp_groups(), group.dp_groups()
+        # Context ranks hold the same weights as data replicas: gradients are reduced, and
+        # ZeRO shards, over both. Each rank does 1/cp of every layer's token-wise work.
+        tp, dp = group.tp, group.dp * group.cp
+        layers = [context_shard(l, cp) for l in model.layers[stage.start:stage.end]]
+        tp_groups, dp_groups = group.tp_groups(), group.dp_cp_groups()
         fwd = bwd = bwd_i = bwd_w = 0.0
         # A group of mixed device types runs at the pace of its slowest member.
         for dev in _group_devices(cluster, group.ranks):
@@ -224,18 +233,27 @@ def stage_costs(model: ModelSpec, cluster: Cluster, plan: Plan, options: Estimat
             fwd, bwd_i, bwd_w = max(fwd, f * scale), max(bwd_i, bi * scale), max(bwd_w, bw * scale)
         bwd = bwd_i + bwd_w
         # Tensor-parallel collectives sit on the critical path of every layer.
-        tp_f = 0.0
+        tp_f = tp_b = 0.0
         if tp > 1:
             for i, layer in enumerate(layers, start=stage.start):
                 # A block's row-parallel outputs are all-reduced; the head's vocabulary-parallel
                 # matmul all-reduces its input gradient (the previous unit's output size).
-                size = layer.output_bytes if layer.kind != "head" else model.layers[max(i - 1, 0)].output_bytes
+                size = (layer.output_bytes if layer.kind != "head"
+                        else context_shard(model.layers[max(i - 1, 0)], cp).output_bytes)
                 if layer.tp_allreduces_fwd:
                     tp_f += layer.tp_allreduces_fwd * _worst(cluster, tp_groups, b * size, "all_reduce")
-                if layer.kind == "head" and not stack.vocab_parallel_loss:
-                    # The loss needs the full vocabulary on every rank: gather the logits.
+                if layer.kind == "head" and layer.tp_allreduces_fwd and not stack.vocab_parallel_loss:
+                    # The loss needs the full vocabulary on every rank: gather the logits (a head
+                    # under operator layouts says itself where its logits are).
                     tp_f += _worst(cluster, tp_groups, b * layer.output_bytes, "all_gather")
-        tp_b = tp_f * (2 if stage.recompute == "full" else 1)
+            tp_b = tp_f
+            # The collectives of units under operator layouts (forward and backward apart).
+            pipeline = _pipeline_groups(plan)
+            for layer in layers:
+                f, b_ = layout_comm(cluster, tp_groups, layer, b, pipeline)
+                tp_f, tp_b = tp_f + f, tp_b + b_
+        # A fully recomputed stage repeats its forward collectives in the backward.
+        tp_b += tp_f if stage.recompute == "full" else 0.0
         # Expert parallelism: every expert unit dispatches and combines its routed tokens by
         # all-to-all in forward, and mirrors both in backward (again when recomputed).
         ep_f = 0.0
@@ -246,6 +264,15 @@ def stage_costs(model: ModelSpec, cluster: Cluster, plan: Plan, options: Estimat
         fwd += tp_f + ep_f
         bwd_i += tp_b + ep_b
         bwd += tp_b + ep_b
+        # The context-parallel exchange around attention is on the critical path too, and is
+        # repeated when the attention is recomputed (selective or full).
+        cp_f, cp_b, _ = stage_exchange(cluster, group.cp_groups(), plan.cp_comm, model, layers,
+                                       _group_devices(cluster, group.ranks), b, tp, dtype, DTYPE_BYTES[dtype],
+                                       stack.overlap_cp_exchange, stack.attention)
+        cp_b += cp_f if stage.recompute != "none" else 0.0
+        fwd += cp_f
+        bwd_i += cp_b
+        bwd += cp_b
         params = sum(l.params.at(tp) for l in layers)
         # Expert gradients are reduced over the ranks holding the same experts, the rest over
         # the data-parallel group (with ep = 1 both are the data-parallel group: one reduction).
@@ -284,14 +311,15 @@ def stage_costs(model: ModelSpec, cluster: Cluster, plan: Plan, options: Estimat
         send_b = 0.0
         if s_idx > 0:
             prv = plan.groups[plan.stages[s_idx - 1].group]
-            in_bytes = b * model.layers[stage.start - 1].output_bytes
+            in_bytes = b * context_shard(model.layers[stage.start - 1], cp).output_bytes
             if prv is not group:
                 send_b = p2p_time(cluster, tp_groups, prv.tp_groups(), in_bytes)
         act = activation_bytes(layers, stage.recompute, b, tp, sp, stack, dtype, load)
         out.append(StageCosts(forward=fwd, backward=bwd, backward_input=bwd_i, backward_weight=bwd_w,
                               send_forward=send_f, send_backward=send_b, activation_bytes=act,
                               grad_reduce=reduce, layers=len(layers), tp_comm_forward=tp_f,
-                              tp_comm_backward=tp_b, ep_comm_forward=ep_f, ep_comm_backward=ep_b))
+                              tp_comm_backward=tp_b, ep_comm_forward=ep_f, ep_comm_backward=ep_b,
+                              cp_comm_forward=cp_f, cp_comm_backward=cp_b))
     return out
 
 
@@ -302,23 +330,39 @@ def _optimizer_time(model: ModelSpec, cluster: Cluster, plan: Plan, g: int, stac
     group = plan.groups[g]
     layers = [l for s in plan.stages if s.group == g for l in model.layers[s.start:s.end]]
     params, sharded = experts.state_params(layers, group.tp, plan.ep)
-    shard = sharded / group.dp if plan.zero >= 1 else params
+    shard = sharded / (group.dp * group.cp) if plan.zero >= 1 else params
     step = max(shard * stack.optimizer_traffic_bytes_per_param / (d.memory_bandwidth * default_efficiency(d.name).memory)
                for d in _group_devices(cluster, group.ranks))
     if calibration is not None:
         step += max((c.step_overhead_s for d in _group_devices(cluster, group.ranks)
                      if (c := calibration.device(d.name)) is not None), default=0.0)
     gather = 0.0
-    if plan.zero in (1, 2) and group.dp > 1 and not stack.overlap_param_gather:
+    if plan.zero in (1, 2) and group.dp * group.cp > 1 and not stack.overlap_param_gather:
         # Overlapped, the gather of updated parameters runs under the next forward.
-        gather = _worst(cluster, group.dp_groups(), params * DTYPE_BYTES[plan.dtype], "all_gather")
+        gather = _worst(cluster, group.dp_cp_groups(), params * DTYPE_BYTES[plan.dtype], "all_gather")
     return step, gather
+
+
+def _transient(model: ModelSpec, cluster: Cluster, plan: Plan, s: int, stack: Stack, load: float = 1.0) -> float:
+    """Peak temporary bytes of stage ``s`` (see costmodel.memory.transient_bytes), with the
+    context-parallel exchange's buffers of the layer that holds them."""
+    stage, group = plan.stages[s], plan.groups[plan.stages[s].group]
+    devices = _group_devices(cluster, group.ranks)
+    worst = 0.0
+    for layer in model.layers[stage.start:stage.end]:
+        part = context_shard(layer, plan.cp)
+        buffers = stage_exchange(cluster, group.cp_groups(), plan.cp_comm, model, [part], devices,
+                                 plan.micro_batch, group.tp, plan.dtype, DTYPE_BYTES[plan.dtype])[2]
+        worst = max(worst, transient_bytes([part], stage.recompute, plan.micro_batch, group.tp,
+                                           plan.sequence_parallel, stack, plan.dtype, plan.ep, load) + buffers)
+    return worst
 
 
 def _communicators(plan: Plan, g: int) -> int:
     """Process groups of two or more ranks that a rank of pipeline group ``g`` talks in."""
     group = plan.groups[g]
-    return (group.tp > 1) + (group.dp > 1) + (plan.pp > 1) + (plan.ep > 1) + (plan.ep > 1 and group.dp > plan.ep)
+    shards = group.dp * group.cp
+    return (group.tp > 1) + (shards > 1) + (group.cp > 1) + (plan.pp > 1) + (plan.ep > 1) + (plan.ep > 1 and shards > plan.ep)
 
 
 def estimate(model: ModelSpec, cluster: Cluster, plan: Plan, options: EstimateOptions | None = None,
@@ -354,14 +398,13 @@ def estimate(model: ModelSpec, cluster: Cluster, plan: Plan, options: EstimateOp
         stage_ids = plan.stages_of_group(g)
         stage_layers = [model.layers[plan.stages[s].start:plan.stages[s].end] for s in stage_ids]
         layers = [l for ls in stage_layers for l in ls]
-        states = model_state_bytes(layers, group.tp, group.dp, plan.zero, stack, plan.ep)
-        transient = max(transient_bytes(ls, plan.stages[s].recompute, plan.micro_batch, group.tp,
-                                        plan.sequence_parallel, stack, plan.dtype, plan.ep, load)
-                        for s, ls in zip(stage_ids, stage_layers))
+        shards = group.dp * group.cp   # weights are sharded over data and context ranks
+        states = model_state_bytes(layers, group.tp, shards, plan.zero, stack, plan.ep)
+        transient = max(_transient(model, cluster, plan, s, stack, load) for s in stage_ids)
         accelerator = any(not d.name.upper().startswith("CPU") for d in _group_devices(cluster, group.ranks))
         mem = group_memory(states, sim.peak_activation_bytes[g] * act_scale, transient * act_scale,
-                           optimizer_step_bytes(layers, group.tp, group.dp, plan.zero, stack, plan.ep),
-                           _communicators(plan, g), group.dp, stack, accelerator)
+                           optimizer_step_bytes(layers, group.tp, shards, plan.zero, stack, plan.ep),
+                           _communicators(plan, g), shards, stack, accelerator)
         mem.buffers += extra
         memory_by_group.append(mem)
         for r in group.ranks:
@@ -390,10 +433,14 @@ def estimate(model: ModelSpec, cluster: Cluster, plan: Plan, options: EstimateOp
     peak_sum = sum(cluster.slots[r].device.peak(plan.dtype) for r in used)
     g = sim.critical_rank
     bubble = max(0.0, sim.compute_end[g] - sim.busy[g])
+    # Exposed context-parallel exchange on the critical rank, from the actions it ran.
+    cp_comm = sum(costs[a.stage].cp_comm_forward if a.kind == "F" else
+                  costs[a.stage].cp_comm_backward if a.kind in ("B", "I") else 0.0 for a in program.ranks[g])
     breakdown = {
-        "compute": sim.busy[g] - sim.tp_comm[g] - sim.ep_comm[g],
+        "compute": sim.busy[g] - sim.tp_comm[g] - sim.ep_comm[g] - cp_comm,
         "tp_communication": sim.tp_comm[g],
         "ep_communication": sim.ep_comm[g],
+        **({"cp_communication": cp_comm} if plan.cp > 1 else {}),
         "bubble": bubble,
         "dp_communication": max(0.0, sim.comm_end[g] - sim.compute_end[g]),
         "optimizer": sim.rank_end[g] - max(sim.compute_end[g], sim.comm_end[g]),

@@ -146,7 +146,10 @@ def transient_bytes(layers: Sequence[LayerSpec], recompute: str, micro_batch: in
         if stack is not None and l.kind == "head":
             extra = stack.loss_peak_bytes_per_logit - stack.loss_saved_bytes_per_logit
             grads = loss_logits(l, tp, dtype, stack) * max(extra, 0.0)
-        worst = max(worst, micro_batch * (rebuilt + grads))
+        # Temporaries an operator layout declares (a co-sharded unit rebuilding one chunk,
+        # an interlaced unit's share).
+        extra = l.transient_bytes.at(tp, sequence_parallel)
+        worst = max(worst, micro_batch * (rebuilt + grads + extra))
     return worst
 
 

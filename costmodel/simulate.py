@@ -38,6 +38,11 @@ class StageCosts:
     ep_comm_forward: float = 0.0
     """Part of ``forward`` that is expert-parallel dispatch and combine (all-to-all)."""
     ep_comm_backward: float = 0.0
+    """Part of ``backward`` (and ``backward_input``) that is expert-parallel all-to-all."""
+    cp_comm_forward: float = 0.0
+    """Part of ``forward`` that is exposed context-parallel exchange."""
+    cp_comm_backward: float = 0.0
+    """Part of ``backward`` (and ``backward_input``) that is exposed context-parallel exchange."""
 
 
 @dataclass(frozen=True)

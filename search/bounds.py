@@ -126,7 +126,7 @@ class Bounds:
             n = m if st.schedule == "gpipe" else min(P - g, m)
             cap = self.tables.capacity(kind.pool)
             budget = cap - self.tables.fixed_bytes(kind.pool)
-            per_unit = (self.tables.state_bytes(s.params, 0.0, sk.dp, st.zero) + n * s.act_lean) / L
+            per_unit = (self.tables.state_bytes(s.params, 0.0, sk.shards, st.zero) + n * s.act_lean) / L
             caps.append(max(0.0, budget / per_unit) if per_unit > 0 else float(L))
             rates.append(L / s.work)         # units per second per micro-batch
         if sum(caps) < L:
@@ -194,7 +194,7 @@ class Bounds:
                 for k in sk.kinds]
         if len(set(sk.kinds)) > 1:
             s = self._mixed_summary(sk_id, sk, st)
-        states = self.tables.state_bytes(s.params, 0.0, sk.dp, st.zero)
+        states = self.tables.state_bytes(s.params, 0.0, sk.shards, st.zero)
         room = sum(c / n for c, n in zip(caps, counts)) - states / max(counts)
         # Also: the states alone, and the average rank, must fit.
         if room < s.act_lean or states > sum(caps) or states + min(counts) * s.act_lean > sum(caps):
@@ -242,7 +242,8 @@ class Bounds:
 
     def time_bound(self, sk_id: int, sk: Skeleton, st: Setting) -> float:
         """Lower bound on the closed-form time of any split (INF: nothing can fit)."""
-        P, dp, m, v = sk.pp, sk.dp, st.num_micro_batches, st.virtual_stages
+        # Gradients are reduced and ZeRO shards over the data x context ranks.
+        P, dp, m, v = sk.pp, sk.shards, st.num_micro_batches, st.virtual_stages
         tables = self.tables
         kinds = self._distinct(sk_id, sk)
         summ = [(self.summary(k, st.micro_batch, st.sequence_parallel), n) for k, n in kinds]

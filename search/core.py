@@ -133,17 +133,43 @@ class _Search:
         n = self.cluster.num_gpus
         return [d for d in divisors(self.gb) if d <= n and (self.c.dp is None or d in self.c.dp)]
 
-    def ep_options(self, dp: int) -> list[int]:
-        """Expert-parallel degrees for dp replicas: divisors of dp that divide the model's
-        experts (just 1 for a dense model)."""
+    def ep_options(self, shards: int) -> list[int]:
+        """Expert-parallel degrees over ``shards`` = dp x cp ranks: divisors of it that divide
+        the model's experts (just 1 for a dense model)."""
         experts = self.model.num_experts
-        return [e for e in divisors(dp) if (e == 1 or (experts and experts % e == 0))
+        return [e for e in divisors(shards) if (e == 1 or (experts and experts % e == 0))
                 and (self.c.ep is None or e in self.c.ep)]
 
     def with_ep(self, sk: Skeleton) -> list[Skeleton]:
         """The skeleton under every expert-parallel degree its data parallelism allows."""
         return [Skeleton(groups=sk.groups, kinds=tuple(replace(k, ep=e) for k in sk.kinds))
-                for e in self.ep_options(sk.dp)]
+                for e in self.ep_options(sk.shards)]
+
+    def cp_options(self, tp: int) -> list[tuple[int, str]]:
+        """(cp, exchange) pairs for replicas of tensor-parallel degree ``tp``: cp = 1, and
+        each degree the sequence splits into (2*cp zig-zag chunks for the ring exchanges on
+        causal models) with parts of at least min_cp_tokens, for transformers; a2a also
+        needs whole heads per rank, the rings fused attention (what their kernels run)."""
+        out = [(1, "p2p")] if self.c.cp is None or 1 in self.c.cp else []
+        m = self.model
+        if not m.heads:
+            return out
+        causal = any(l.causal for l in m.layers)
+        fused = any(l.attention_flops_fwd.total > 0 for l in m.layers)
+        s, n = m.seq_len, self.cluster.num_gpus
+        for cp in range(2, n // tp + 1):
+            if self.c.cp is not None and cp not in self.c.cp:
+                continue
+            if self.c.cp is None and s // cp < self.c.min_cp_tokens:
+                break
+            for comm in self.c.cp_comm:
+                ring = comm != "a2a"
+                if s % (2 * cp if ring and causal else cp) or (ring and not fused):
+                    continue
+                if not ring and any(max(h // tp, 1) % cp for h in (m.heads, m.kv_heads or m.heads)):
+                    continue
+                out.append((cp, comm))
+        return out
 
     def pp_options(self) -> list[int]:
         if self.c.pp is not None:
@@ -174,14 +200,14 @@ class _Search:
 
     def settings(self, sk: Skeleton, b: int, sp: bool):
         """(setting, ZeRO stages it stands for) of a skeleton at micro-batch ``b``."""
-        P, dp = sk.pp, sk.dp
-        # Settings that change nothing are tried once: ZeRO without data parallelism,
-        # sequence parallelism without tensor parallelism (see sequence_parallel()).
-        zeros = self.c.zero if dp > 1 else (min(self.c.zero),)
+        P, dp, shards = sk.pp, sk.dp, sk.shards
+        # Settings that change nothing are tried once: ZeRO without data (or context)
+        # parallelism, sequence parallelism without tensor parallelism (see sequence_parallel()).
+        zeros = self.c.zero if shards > 1 else (min(self.c.zero),)
         # ZeRO 0-2 share a time bound (they differ in memory and in the gradient
         # reduction only); ZeRO-3 adds gathers to every micro-batch.
-        low = tuple(z for z in zeros if z < 3 or dp == 1)
-        z3 = dp > 1 and 3 in zeros
+        low = tuple(z for z in zeros if z < 3 or shards == 1)
+        z3 = shards > 1 and 3 in zeros
         for m, sched, v in self._pipelinings(P, dp, b):
             base = Setting(b, m, sched, v, 0, sp)
             ok_low = tuple(z for z in low if self._runs_on_target(sk, replace(base, zero=z)))
@@ -232,15 +258,16 @@ class _Search:
         for tp in self.tp_options():
             if ng.gpus_per_node % tp:
                 continue
-            for dp in self.dp_options():
-                for pp in self.pp_options():
-                    used = tp * dp * pp
-                    if used > n or (self.c.use_all_gpus and used != n):
-                        continue
-                    per = tp * dp
-                    groups = tuple(DeviceGroup(ranks=tuple(range(p * per, (p + 1) * per)), tp=tp)
-                                   for p in range(pp))
-                    out += self.with_ep(Skeleton(groups=groups, kinds=(Kind(0, tp),) * pp))
+            for cp, comm in self.cp_options(tp):
+                for dp in self.dp_options():
+                    for pp in self.pp_options():
+                        used = tp * cp * dp * pp
+                        if used > n or (self.c.use_all_gpus and used != n):
+                            continue
+                        per = tp * cp * dp
+                        groups = tuple(DeviceGroup(ranks=tuple(range(p * per, (p + 1) * per)), tp=tp, cp=cp)
+                                       for p in range(pp))
+                        out += self.with_ep(Skeleton(groups=groups, kinds=(Kind(0, tp, cp, comm),) * pp))
         return out
 
     def heterogeneous_skeletons(self, pstats: PlacementStats) -> list[Skeleton]:
@@ -335,7 +362,7 @@ class _Search:
         kind = sk.kinds[0]
         summ = self.bounds.summary(kind, st.micro_batch, st.sequence_parallel)
         params, act = summ.params, summ.act_lean
-        states = self.tables.state_bytes(params, 0.0, sk.dp, st.zero)
+        states = self.tables.state_bytes(params, 0.0, sk.shards, st.zero)
         P, m = sk.pp, st.num_micro_batches
         if st.virtual_stages == 1:
             # GPipe holds every micro-batch; 1F1B holds pp - g on rank g, and zero-bubble
@@ -354,6 +381,9 @@ class _Search:
         if self.c.time_limit is not None:
             self.deadline = t_start + self.c.time_limit
         stats = self.stats
+        if len(self.cluster.groups) > 1 and self.c.cp is not None and max(self.c.cp) > 1:
+            raise ConfigError("cp", "context parallelism is searched on clusters of one device type only",
+                              "drop the cp constraint, or search each node group on its own")
         try:
             while True:
                 t0 = time.perf_counter()
@@ -398,7 +428,7 @@ class _Search:
 
     def _count(self, sk: Skeleton) -> int:
         """Candidates of a skeleton (what settings() yields, times its ZeRO stages)."""
-        n_zero = len(self.c.zero) if sk.dp > 1 else 1
+        n_zero = len(self.c.zero) if sk.shards > 1 else 1
         n_sp = len(self.sequence_parallel(sk))
         return sum(1 for b in self.mb_options(sk.dp) for _ in self._pipelinings(sk.pp, sk.dp, b)) * n_sp * n_zero
 

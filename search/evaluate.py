@@ -43,6 +43,15 @@ class Skeleton:
         return self.kinds[0].ep
 
     @property
+    def cp(self) -> int:
+        return self.groups[0].cp
+
+    @property
+    def shards(self) -> int:
+        """Ranks over which gradients are reduced and ZeRO shards: data x context."""
+        return self.dp * self.cp
+
+    @property
     def num_gpus(self) -> int:
         return sum(len(g.ranks) for g in self.groups)
 
@@ -96,12 +105,14 @@ class Candidate:
         return Plan(groups=sk.groups, stages=stages, micro_batch=s.micro_batch,
                     num_micro_batches=s.num_micro_batches, schedule=s.schedule,
                     virtual_stages=s.virtual_stages, sequence_parallel=s.sequence_parallel,
-                    zero=s.zero, dtype=dtype, model=model.name, seq_len=model.seq_len, ep=sk.ep)
+                    zero=s.zero, dtype=dtype, model=model.name, seq_len=model.seq_len,
+                    cp_comm=sk.kinds[0].cp_comm, ep=sk.ep)
 
     def key(self) -> tuple:
         """Identity of the plan (for de-duplication and fixed tie-breaking)."""
         s = self.setting
         return (tuple(g.ranks for g in self.skeleton.groups), tuple(g.tp for g in self.skeleton.groups),
+                tuple((k.cp, k.cp_comm) for k in self.skeleton.kinds),
                 s.micro_batch, s.schedule, s.virtual_stages, s.zero, s.sequence_parallel,
                 self.bounds, self.recompute, self.skeleton.ep)
 
@@ -154,12 +165,12 @@ def stage_figures(tables: Tables, sk: Skeleton, st: Setting, bounds: Sequence[tu
             return (tables.dp_collective(group, (params - expert) * per_param, kind)
                     + (tables.expert_dp_collective(group, ep, expert * per_param, kind) if expert else 0.0))
         reduce = 0.0
-        if st.zero >= 3 and group.dp > 1:
+        if st.zero >= 3 and group.dp * group.cp > 1:
             gather = collective(stack.gathered_weights_bytes_per_param, "all_gather")
             scatter = collective(stack.grad_reduce_bytes_per_param, "reduce_scatter")
             fwd = max(fwd, gather)
             bi += max(0.0, gather + scatter - (bi + bw))
-        elif group.dp > 1:
+        elif group.dp * group.cp > 1:
             reduce = collective(stack.grad_reduce_bytes_per_param, "reduce_scatter" if st.zero >= 1 else "all_reduce")
         send_f = send_b = 0.0
         if j < n - 1:
@@ -188,12 +199,12 @@ def group_memory(tables: Tables, sk: Skeleton, st: Setting, figs: Sequence[Stage
         mine = figs[g::P]
         params = sum(f.params for f in mine)
         sharded = sum(f.zero_params for f in mine)
-        states = tables.state_bytes(params, max(f.max_params for f in mine), sk.dp, st.zero, sharded)
-        casts = tables.cast_bytes(sum(f.cast_params for f in mine), sk.dp, st.zero)
+        states = tables.state_bytes(params, max(f.max_params for f in mine), sk.shards, st.zero, sharded)
+        casts = tables.cast_bytes(sum(f.cast_params for f in mine), sk.shards, st.zero)
         act = fl.peak_bytes(g, [f.activation for f in mine])
         trans = max(f.transient for f in mine)
         out.append(float(tables.memory_total(states, act, trans + casts,
-                                             tables.step_bytes(params, sk.dp, st.zero, sharded),
+                                             tables.step_bytes(params, sk.shards, st.zero, sharded),
                                              tables.fixed_bytes(sk.kinds[g].pool, sk.groups[g], P, sk.ep))))
     return out
 
@@ -243,9 +254,9 @@ def pipeline_time(sk: Skeleton, st: Setting, figs: Sequence[StageFigures], table
                        if overlap_grad_reduce else reduce)
         params = sum(f.params for f in figs[g::P])
         group = sk.groups[g]
-        local = sum(f.zero_params for f in figs[g::P]) / group.dp if st.zero >= 1 else params
+        local = sum(f.zero_params for f in figs[g::P]) / (group.dp * group.cp) if st.zero >= 1 else params
         opt = local * tables.optimizer_rate(sk.kinds[g].pool) + tables.step_overhead(sk.kinds[g].pool)
-        if st.zero in (1, 2) and group.dp > 1 and gather_after_step:
+        if st.zero in (1, 2) and group.dp * group.cp > 1 and gather_after_step:
             opt += tables.dp_collective(group, params * w, "all_gather")
         end = max(end, pipe - drain + exposed + opt)
     return end
@@ -281,10 +292,11 @@ def _tails(tables: Tables, sk: Skeleton, st: Setting, figs: Sequence[StageFigure
     for g in range(sk.pp):
         params = sum(f.params for f in figs[g::sk.pp])
         group = sk.groups[g]
-        local = sum(f.zero_params for f in figs[g::sk.pp]) / group.dp if st.zero >= 1 else params
+        local = sum(f.zero_params for f in figs[g::sk.pp]) / (group.dp * group.cp) if st.zero >= 1 else params
         opt.append(local * tables.optimizer_rate(sk.kinds[g].pool) + tables.step_overhead(sk.kinds[g].pool))
         post.append(tables.dp_collective(group, params * tables.weight_bytes, "all_gather")
-                    if st.zero in (1, 2) and group.dp > 1 and not tables.stack.overlap_param_gather else 0.0)
+                    if st.zero in (1, 2) and group.dp * group.cp > 1 and not tables.stack.overlap_param_gather
+                    else 0.0)
     return opt, post
 
 

@@ -10,8 +10,8 @@ from dataclasses import dataclass, fields, replace
 from typing import Any
 
 from autoplan.errors import ConfigError, closest
-from autoplan.limits import MAX_EXPERTS, MAX_GPUS, MAX_MICRO_BATCH, MAX_UNITS, MAX_VIRTUAL_STAGES
-from autoplan.plan import SCHEDULES
+from autoplan.limits import MAX_EXPERTS, MAX_GPUS, MAX_MICRO_BATCH, MAX_SEQ_LEN, MAX_UNITS, MAX_VIRTUAL_STAGES
+from autoplan.plan import CP_COMMS, SCHEDULES
 from search.tables import RECOMPUTES
 
 
@@ -26,9 +26,17 @@ class Constraints:
     """Pipeline depths allowed (None: 1 up to the model's units)."""
     dp: tuple[int, ...] | None = None
     """Data-parallel degrees allowed (None: every divisor of the global batch that fits)."""
+    cp: tuple[int, ...] | None = None
+    """Context-parallel degrees allowed (None: 1 and every degree that splits the sequence into
+    parts of at least min_cp_tokens; single-device-type clusters only)."""
+    cp_comm: tuple[str, ...] = CP_COMMS
+    """Context-parallel exchanges tried where cp > 1 ('p2p', 'all_gather', 'a2a')."""
+    min_cp_tokens: int = 4096
+    """Fewest tokens of a sequence a context rank may hold when cp is None: shorter parts
+    make attention blocks too small to hide the exchange behind, so they are not tried."""
     ep: tuple[int, ...] | None = None
-    """Expert-parallel degrees allowed (None: every degree dividing dp and the model's experts;
-    a dense model always gets 1)."""
+    """Expert-parallel degrees allowed (None: every degree dividing dp x cp and the model's
+    experts; a dense model always gets 1)."""
     micro_batch: tuple[int, ...] | None = None
     """Micro-batch sizes allowed (None: divisors of the per-replica batch up to max_micro_batch)."""
     max_micro_batch: int = 16
@@ -105,7 +113,7 @@ class Constraints:
                 raise ConfigError(k, "is not a search constraint", hint or f"known: {', '.join(sorted(known))}")
         out = {}
         for k, v in kwargs.items():
-            if k in ("tp", "pp", "dp", "ep", "micro_batch", "virtual_stages"):
+            if k in ("tp", "pp", "dp", "cp", "ep", "micro_batch", "virtual_stages"):
                 if v is None:
                     out[k] = None
                     continue
@@ -122,6 +130,13 @@ class Constraints:
                         raise ConfigError(k, f"{x!r} is not a schedule", closest(str(x), SCHEDULES)
                                           or f"choose from {list(SCHEDULES)}")
                 out[k] = tuple(s for s in SCHEDULES if s in vals)
+            elif k == "cp_comm":
+                vals = _tuple(v)
+                for x in vals:
+                    if x not in CP_COMMS:
+                        raise ConfigError(k, f"{x!r} is not a context-parallel exchange",
+                                          f"choose from {list(CP_COMMS)}")
+                out[k] = tuple(s for s in CP_COMMS if s in vals)
             elif k == "recompute":
                 vals = _tuple(v)
                 for x in vals:
@@ -142,7 +157,7 @@ class Constraints:
                 out[k] = tuple(sorted(set(vals)))
             elif k in ("max_micro_batch", "max_virtual_stages", "max_estimates", "estimate_actions",
                        "placement_alternatives", "max_stages", "refine_evaluations", "max_exhaustive_pipelines",
-                       "seed"):
+                       "min_cp_tokens", "seed"):
                 top = _LIMITS[k]
                 low = 0 if k == "seed" else 1
                 if not isinstance(v, int) or isinstance(v, bool) or not low <= v <= top:
@@ -180,7 +195,7 @@ class Constraints:
                 out[k] = v
             else:
                 out[k] = v
-        for k in ("schedules", "recompute", "zero", "sequence_parallel"):
+        for k in ("schedules", "recompute", "zero", "sequence_parallel", "cp_comm"):
             if k in out and not out[k]:
                 raise ConfigError(k, "must allow at least one value")
         c = cls(**out)
@@ -212,11 +227,13 @@ class Constraints:
         return replace(opts, **changes) if changes else opts
 
 
-_LIMITS = {"tp": MAX_GPUS, "pp": MAX_UNITS, "dp": MAX_GPUS, "ep": MAX_EXPERTS, "micro_batch": MAX_MICRO_BATCH,
+_LIMITS = {"tp": MAX_GPUS, "pp": MAX_UNITS, "dp": MAX_GPUS, "cp": MAX_GPUS, "ep": MAX_EXPERTS,
+           "micro_batch": MAX_MICRO_BATCH,
            "virtual_stages": MAX_VIRTUAL_STAGES, "max_micro_batch": MAX_MICRO_BATCH,
            "max_virtual_stages": MAX_VIRTUAL_STAGES, "max_estimates": 10_000, "estimate_actions": 10**9,
            "placement_alternatives": 100, "max_stages": MAX_UNITS, "refine_evaluations": 1_000_000,
-           "max_exhaustive_pipelines": 1_000_000, "seed": 2**31 - 1}
+           "max_exhaustive_pipelines": 1_000_000, "seed": 2**31 - 1,
+           "min_cp_tokens": MAX_SEQ_LEN}
 """Largest value of each numeric constraint (beyond them a search would run for hours)."""
 
 

@@ -72,7 +72,7 @@ class Splitter:
         """cost[q, s, e]: forward + backward seconds of units [s, e) on group g under
         recompute mode q, as the cost model composes them (ZeRO-3 gathers included)."""
         group, kind = sk.groups[g], sk.kinds[g]
-        z3 = st.zero >= 3 and group.dp > 1
+        z3 = st.zero >= 3 and group.dp * group.cp > 1
         # Under ZeRO-3 the cost depends on the group only through its collectives' costs.
         comm = (self.tables.dp_affines(group, "all_gather"), self.tables.dp_affines(group, "reduce_scatter")) \
             if z3 else None
@@ -106,7 +106,7 @@ class Splitter:
         per micro-batch, both with the allocator's fragmentation on the dynamic part;
         memory = fixed + base + inflight * act (``Tables.memory_total``)."""
         group, kind = sk.groups[g], sk.kinds[g]
-        key = (kind, st.micro_batch, st.sequence_parallel and kind.tp > 1, group.dp, st.zero)
+        key = (kind, st.micro_batch, st.sequence_parallel and kind.tp > 1, group.dp * group.cp, st.zero)
         hit = self._mem.get(key)
         if hit is not None:
             return hit
@@ -115,8 +115,8 @@ class Splitter:
         params = t.cum_params[None, :] - t.cum_params[:, None]
         sharded = t.cum_zero_params[None, :] - t.cum_zero_params[:, None]
         cast = t.cum_cast_params[None, :] - t.cum_cast_params[:, None]
-        states = self.tables.state_bytes(params, t.max_params, group.dp, st.zero, sharded)
-        base = states[None] + dyn * (t.max_transient + self.tables.cast_bytes(cast, group.dp, st.zero)[None])
+        states = self.tables.state_bytes(params, t.max_params, group.dp * group.cp, st.zero, sharded)
+        base = states[None] + dyn * (t.max_transient + self.tables.cast_bytes(cast, group.dp * group.cp, st.zero)[None])
         act = dyn * (t.cum_activation[:, None, :] - t.cum_activation[:, :, None])
         self._mem[key] = (base, act)
         return base, act
@@ -186,7 +186,7 @@ class Splitter:
         """The DP's split with unlimited memory and the fastest mode (cached), or None when
         no split has every stage under ``period_limit``."""
         v = st.virtual_stages
-        z3 = st.zero >= 3 and sk.dp > 1
+        z3 = st.zero >= 3 and sk.shards > 1
         # Under ZeRO-3 the stage times depend on each group's collectives.
         comm = tuple((self.tables.dp_affines(g, "all_gather"), self.tables.dp_affines(g, "reduce_scatter"))
                      for g in sk.groups) if z3 else None
@@ -334,7 +334,7 @@ class Splitter:
         cands = [period]
         m = st.num_micro_batches
         # (Without memory, on one kind, in one mode, only ZeRO-3 makes totals differ.)
-        z3 = st.zero >= 3 and sk.dp > 1
+        z3 = st.zero >= 3 and sk.shards > 1
         if objective == "time" and m < 4 * P and (z3 or not unlimited):
             # Few micro-batches: the fill (sum of stage times) weighs like a few periods,
             # so a slightly slower period with less total work can win.
@@ -358,15 +358,15 @@ class Splitter:
     def _states_mats(self, sk: Skeleton, g: int, st: Setting) -> tuple[np.ndarray, np.ndarray]:
         """Like _mem_mats without the transient: (states[q, s, e], act[q, s, e])."""
         group, kind = sk.groups[g], sk.kinds[g]
-        key = ("states", kind, st.micro_batch, st.sequence_parallel and kind.tp > 1, group.dp, st.zero)
+        key = ("states", kind, st.micro_batch, st.sequence_parallel and kind.tp > 1, group.dp * group.cp, st.zero)
         hit = self._mem.get(key)
         if hit is None:
             t = self.tables.table(kind, st.micro_batch, st.sequence_parallel)
             params = t.cum_params[None, :] - t.cum_params[:, None]
             sharded = t.cum_zero_params[None, :] - t.cum_zero_params[:, None]
             cast = t.cum_cast_params[None, :] - t.cum_cast_params[:, None]
-            states = self.tables.state_bytes(params, t.max_params, group.dp, st.zero, sharded) \
-                + self.tables.dynamic_factor * self.tables.cast_bytes(cast, group.dp, st.zero)
+            states = self.tables.state_bytes(params, t.max_params, group.dp * group.cp, st.zero, sharded) \
+                + self.tables.dynamic_factor * self.tables.cast_bytes(cast, group.dp * group.cp, st.zero)
             act = self.tables.dynamic_factor * (t.cum_activation[:, None, :] - t.cum_activation[:, :, None])
             hit = self._mem[key] = (np.broadcast_to(states, act.shape), act)
         return hit
@@ -395,7 +395,7 @@ class Splitter:
         out = []
         for g in range(P):
             t = self.tables.table(sk.kinds[g], st.micro_batch, st.sequence_parallel)
-            states = self.tables.state_bytes(float(t.cum_params[self.L]), 0.0, sk.dp, st.zero)
+            states = self.tables.state_bytes(float(t.cum_params[self.L]), 0.0, sk.shards, st.zero)
             act = float(t.cum_activation[0, self.L])
             w = [states + n * act for n in counts[g]]
             out.append([x / sum(w) for x in w])

@@ -22,9 +22,11 @@ from autoplan.units import DTYPE_BYTES, GiB
 from costmodel import experts
 from costmodel.comm import collective_time, p2p_time
 from costmodel.compute import layer_timing
+from costmodel.context import context_shard, stage_exchange
 from costmodel.efficiency import default_efficiency
 from costmodel.estimate import EstimateOptions, device_timing_inputs
 from costmodel.memory import activation_bytes, transient_bytes
+from costmodel.redistribute import layout_comm
 
 RECOMPUTES = ("none", "selective", "full")
 """Recompute modes in order of increasing time and decreasing memory."""
@@ -36,13 +38,17 @@ PROBE = 1e8
 
 @dataclass(frozen=True)
 class Kind:
-    """A device-group template: which node group the GPUs come from and the tensor-parallel
-    degree inside each replica."""
+    """A device-group template: which node group the GPUs come from, the tensor-parallel
+    degree inside each replica and how each replica splits its sequences."""
 
     pool: int
     """Index into ``Cluster.groups`` (every GPU of a device group is of this node group)."""
     tp: int
     """Tensor-parallel degree (the replica's GPUs sit in one node)."""
+    cp: int = 1
+    """Context-parallel degree (ranks splitting each sequence)."""
+    cp_comm: str = "p2p"
+    """The context-parallel exchange (autoplan.plan.CP_COMMS); only meaningful when cp > 1."""
     ep: int = 1
     """Expert-parallel degree of the plan (mixture-of-experts models; the same in every group):
     it changes expert units' GEMMs, their all-to-all and the expert states a GPU holds."""
@@ -166,11 +172,14 @@ class Tables:
 
     def _build(self, kind: Kind, b: int, sp: bool) -> LayerTable:
         self.built += 1
-        model, dtype, tp, ep = self.model, self.dtype, kind.tp, kind.ep
+        model, dtype, tp, cp, ep = self.model, self.dtype, kind.tp, kind.cp, kind.ep
         dev = self.cluster.groups[kind.pool].device
         first = self._pool_first[kind.pool]
         tp_ranks = tuple(range(first, first + tp))
-        # An expert-parallel group: ep consecutive replicas of the pool's first tensor shard.
+        # One replica's tp x cp ranks sit together (tensor fastest): its context rings.
+        cp_groups = [tuple(first + c * tp + t for c in range(cp)) for t in range(tp)]
+        # An expert-parallel group: ep consecutive (replica, sequence shard) positions of the
+        # pool's first tensor shard.
         ep_ranks = tuple(first + j * tp for j in range(ep))
         n = model.num_layers
         fwd, tpf, bw, params, cast, out, zparams, eparams = (np.zeros(n) for _ in range(8))
@@ -183,10 +192,12 @@ class Tables:
         memo: dict = {}
         for i, layer in enumerate(model.layers):
             # The head's tensor-parallel communication depends on the unit before it.
-            memo_key = (layer, model.layers[i - 1].output_bytes if layer.kind == "head" and i else 0.0)
+            memo_key = (layer, context_shard(model.layers[i - 1], cp).output_bytes
+                        if layer.kind == "head" and i else 0.0)
             row = memo.get(memo_key)
             if row is None:
-                load = experts.expert_load(layer.experts, ep, b * (model.tokens_per_sample or model.seq_len),
+                layer = context_shard(layer, cp)   # this rank's share of the sequence
+                load = experts.expert_load(layer.experts, ep, b * (model.tokens_per_sample or model.seq_len) / cp,
                                            self.options.expert_load)
                 t = layer_timing(dev, layer, b, tp, sp, dtype, self.profiles, stack.attention, eff, ep, load)
                 tp_comm = 0.0
@@ -198,24 +209,35 @@ class Tables:
                     if layer.tp_allreduces_fwd:
                         tp_comm = layer.tp_allreduces_fwd * collective_time(
                             self.cluster, tp_ranks, b * size, "all_reduce")
-                    if layer.kind == "head" and not stack.vocab_parallel_loss:
+                    if layer.kind == "head" and layer.tp_allreduces_fwd and not stack.vocab_parallel_loss:
                         tp_comm += collective_time(self.cluster, tp_ranks, b * layer.output_bytes, "all_gather")
                 # Expert units dispatch and combine by all-to-all, twice each way (as
                 # costmodel.estimate.stage_costs).
                 ep_comm = 2 * experts.dispatch_time(self.cluster, [ep_ranks], layer, b, load) if ep > 1 else 0.0
+                tp_back = tp_comm
+                if tp > 1:
+                    # The collectives of a unit under operator layouts (forward and backward apart).
+                    f_, b_ = layout_comm(self.cluster, [tp_ranks], layer, b)
+                    tp_comm, tp_back = tp_comm + f_, tp_back + b_
                 rec = (0.0, t.recompute_selective, t.forward)
                 f, bwi, bww = t.forward * scale, t.backward_input * scale, t.backward_weight * scale
                 rec = tuple(r * scale for r in rec)
-                # The cost model repeats the forward's tensor-parallel all-reduces (and expert
-                # all-to-alls) when a fully recomputed unit re-runs its forward.
-                bi_q = tuple(bwi + rec[q] + (tp_comm + ep_comm) * (2 if q == 2 else 1) for q in range(3))
+                cp_f, cp_b, buffers = stage_exchange(self.cluster, cp_groups, kind.cp_comm, model, [layer], [dev],
+                                                     b, tp, dtype, self.weight_bytes, stack.overlap_cp_exchange,
+                                                     stack.attention)
+                # The cost model repeats the forward's tensor-parallel collectives (and expert
+                # all-to-alls) when a fully recomputed unit re-runs its forward, and the context
+                # exchange when any recomputation re-runs its attention.
+                bi_q = tuple(bwi + rec[q] + tp_back + (tp_comm if q == 2 else 0.0) + cp_b + (cp_f if q else 0.0)
+                             + ep_comm * (2 if q == 2 else 1) for q in range(3))
                 act_q = tuple(self._act_scale * activation_bytes([layer], m, b, tp, sp, stack, dtype, load)
                               for m in RECOMPUTES)
                 trans_q = tuple(self._act_scale * transient_bytes([layer], m, b, tp, sp, stack, dtype, ep, load)
-                                for m in RECOMPUTES)
+                                + buffers for m in RECOMPUTES)
                 src = label if label and t.source == "roofline" else t.source
                 held, whole = experts.state_params([layer], tp, ep)
-                row = (f + tp_comm + ep_comm, tp_comm, bi_q, bww, held, held if layer.kind != "embedding" else 0.0,
+                row = (f + tp_comm + cp_f + ep_comm, tp_comm, bi_q, bww, held,
+                       held if layer.kind != "embedding" else 0.0,
                        b * layer.output_bytes, act_q, trans_q, src, whole, experts.expert_params([layer], tp) / ep)
                 memo[memo_key] = row
             (fwd[i], tpf[i], bi_q, bw[i], params[i], cast[i], out[i], act_q, trans_q, src, zparams[i],
@@ -285,9 +307,10 @@ class Tables:
         stack = self.stack
         if group is None:
             return stack.cuda_context_bytes + min(self._extra_bytes, 0.0)
-        comms = (group.tp > 1) + (group.dp > 1) + (pp > 1) + (ep > 1) + (ep > 1 and group.dp > ep)
+        shards = group.dp * group.cp   # gradients are reduced over data x context ranks
+        comms = (group.tp > 1) + (shards > 1) + (group.cp > 1) + (pp > 1) + (ep > 1) + (ep > 1 and shards > ep)
         return (stack.cuda_context_bytes + comms * stack.nccl_bytes_per_group
-                + (stack.dp_buffer_bytes if group.dp > 1 else 0.0) + self._extra_bytes)
+                + (stack.dp_buffer_bytes if shards > 1 else 0.0) + self._extra_bytes)
 
     # -------------------------------------------------------------- comm
     def shape(self, ranks) -> tuple:
@@ -337,11 +360,12 @@ class Tables:
         hit = self._dp_affines.get(key)
         if hit is not None and hit[0] is group:
             return hit[1]
-        if group.dp <= 1:
+        # Gradients and ZeRO states are reduced over data x context ranks.
+        if group.dp * group.cp <= 1:
             out = ()
         else:
             # Identical groups (the usual case) need one evaluation, not tp of them.
-            out = tuple(sorted({self.affine(tuple(r), kind) for r in group.dp_groups()}))
+            out = tuple(sorted({self.affine(tuple(r), kind) for r in group.dp_cp_groups()}))
         self._dp_affines[key] = (group, out)
         return out
 
@@ -359,7 +383,7 @@ class Tables:
 
     def expert_dp_collective(self, group: DeviceGroup, ep: int, nbytes: float, kind: str) -> float:
         """Slowest collective over the ranks of ``group`` that hold the same experts."""
-        if nbytes <= 0 or group.dp <= ep:
+        if nbytes <= 0 or group.dp * group.cp <= ep:
             return 0.0
         return max(a + b * nbytes for a, b in {self.affine(tuple(r), kind) for r in group.expert_dp_groups(ep)})
 

@@ -18,10 +18,14 @@ The space (what ``search.search`` documents, docs/search.md "What is searched"):
 * schedules: every allowed one when there is a pipeline (interleaved-1f1b with 2 ..
   ``max_virtual_stages`` chunks when the micro-batches divide by ``pp``); one stage runs
   plain gradient accumulation, labelled 1F1B;
-* ZeRO stages (only the smallest without data parallelism), sequence parallelism (only
-  with tensor parallelism);
-* expert-parallel degrees: divisors of dp that divide the model's experts (1 for a dense
-  model);
+* context parallelism (one node group only): cp = 1, and each cp splitting the sequence
+  into parts of at least ``min_cp_tokens`` tokens (or the ``cp`` given), ranks ``tp``
+  fastest then ``cp`` then ``dp`` in a group, with every exchange the sequence and heads
+  allow (rings: 2*cp chunks on causal models and fused attention; a2a: whole heads per rank);
+* ZeRO stages (only the smallest without data or context parallelism), sequence
+  parallelism (only with tensor parallelism);
+* expert-parallel degrees: divisors of dp x cp that divide the model's experts (1 for a
+  dense model);
 * every contiguous split of the units into ``pp x v`` non-empty stages, and every
   assignment of an allowed recompute mode to every stage.
 """
@@ -32,7 +36,7 @@ from dataclasses import dataclass
 
 from autoplan.cluster import Cluster
 from autoplan.models.spec import ModelSpec
-from autoplan.plan import SCHEDULES, DeviceGroup, Plan, Stage
+from autoplan.plan import CP_COMMS, SCHEDULES, DeviceGroup, Plan, Stage
 from costmodel import estimate
 
 
@@ -49,6 +53,9 @@ class Space:
     max_stages: int = 32
     pp: tuple[int, ...] | None = None
     tp: tuple[int, ...] | None = None
+    cp: tuple[int, ...] | None = None
+    cp_comm: tuple[str, ...] = CP_COMMS
+    min_cp_tokens: int = 4096
     ep: tuple[int, ...] | None = None
 
     def search_kwargs(self) -> dict:
@@ -59,6 +66,10 @@ class Space:
             out["pp"] = list(self.pp)
         if self.tp is not None:
             out["tp"] = list(self.tp)
+        if self.cp is not None:
+            out["cp"] = list(self.cp)
+        out["cp_comm"] = list(self.cp_comm)
+        out["min_cp_tokens"] = self.min_cp_tokens
         if self.ep is not None:
             out["ep"] = list(self.ep)
         return out
@@ -85,10 +96,12 @@ def pipelines(model: ModelSpec, cluster: Cluster, global_batch: int, space: Spac
         if len(cluster.groups) == 1:
             per_node = cluster.groups[0].gpus_per_node
             for tp in tps:
-                for pp in depths:
-                    if per_node % tp or tp * dp * pp > n:
-                        continue
-                    yield tuple(DeviceGroup(tuple(range(p * tp * dp, (p + 1) * tp * dp)), tp) for p in range(pp))
+                for cp in _cps(model, n // tp, space):
+                    for pp in depths:
+                        per = tp * cp * dp
+                        if per_node % tp or per * pp > n:
+                            continue
+                        yield tuple(DeviceGroup(tuple(range(p * per, (p + 1) * per)), tp, cp) for p in range(pp))
             continue
         # One run per node group (absent, or n groups of one tp), in any order.
         runs = []
@@ -109,8 +122,35 @@ def pipelines(model: ModelSpec, cluster: Cluster, global_batch: int, space: Spac
                 yield tuple(groups)
 
 
+def _cps(model: ModelSpec, most: int, space: Space) -> list[int]:
+    """Context-parallel degrees: 1 and those leaving every rank min_cp_tokens (or the given)."""
+    if not model.heads:
+        return [1]
+    return [c for c in range(1, most + 1)
+            if (c in space.cp if space.cp is not None else c == 1 or model.seq_len // c >= space.min_cp_tokens)]
+
+
+def _exchanges(model: ModelSpec, groups: tuple[DeviceGroup, ...], space: Space) -> list[str]:
+    """The context-parallel exchanges a pipeline may use (one label without cp)."""
+    cp, tp = groups[0].cp, groups[0].tp
+    if cp == 1:
+        return ["p2p"]
+    causal = any(l.causal for l in model.layers)
+    fused = any(l.attention_flops_fwd.total > 0 for l in model.layers)
+    out = []
+    for comm in space.cp_comm:
+        if comm == "a2a":
+            if model.seq_len % cp == 0 and all(max(h // tp, 1) % cp == 0
+                                               for h in (model.heads, model.kv_heads or model.heads)):
+                out.append(comm)
+        elif fused and model.seq_len % (2 * cp if causal else cp) == 0:
+            out.append(comm)
+    return out
+
+
 def settings(model: ModelSpec, groups: tuple[DeviceGroup, ...], global_batch: int, space: Space):
-    """(micro-batch, micro-batches, schedule, chunks, ZeRO, sequence parallel) for a pipeline."""
+    """(micro-batch, micro-batches, schedule, chunks, ZeRO, sequence parallel, context
+    exchange) for a pipeline."""
     pp, dp = len(groups), groups[0].dp
     per_replica = global_batch // dp
     if pp == 1:
@@ -118,7 +158,7 @@ def settings(model: ModelSpec, groups: tuple[DeviceGroup, ...], global_batch: in
         schedules = ["1f1b"] if "1f1b" in flat else flat[:1]
     else:
         schedules = list(space.schedules)
-    zeros = space.zero if dp > 1 else (min(space.zero),)
+    zeros = space.zero if dp * groups[0].cp > 1 else (min(space.zero),)
     sps = space.sequence_parallel if any(g.tp > 1 for g in groups) else (min(space.sequence_parallel),)
     for b in [x for x in _divisors(per_replica) if x <= space.max_micro_batch]:
         m = per_replica // b
@@ -128,13 +168,13 @@ def settings(model: ModelSpec, groups: tuple[DeviceGroup, ...], global_batch: in
             else:
                 chunks = [v for v in range(2, space.max_virtual_stages + 1)
                           if pp > 1 and m % pp == 0 and pp * v <= model.num_layers]
-            for v, zero, sp in itertools.product(chunks, zeros, sps):
-                yield b, m, schedule, v, zero, sp
+            for v, zero, sp, comm in itertools.product(chunks, zeros, sps, _exchanges(model, groups, space)):
+                yield b, m, schedule, v, zero, sp, comm
 
 
-def expert_degrees(model: ModelSpec, dp: int, space: Space) -> list[int]:
-    """Expert-parallel degrees for ``dp`` replicas."""
-    return [e for e in _divisors(dp) if (e == 1 or (model.num_experts and model.num_experts % e == 0))
+def expert_degrees(model: ModelSpec, shards: int, space: Space) -> list[int]:
+    """Expert-parallel degrees over ``shards`` = dp x cp ranks."""
+    return [e for e in _divisors(shards) if (e == 1 or (model.num_experts and model.num_experts % e == 0))
             and (space.ep is None or e in space.ep)]
 
 
@@ -144,14 +184,15 @@ def best_plan(model: ModelSpec, cluster: Cluster, global_batch: int, space: Spac
     L = model.num_layers
     for groups in pipelines(model, cluster, global_batch, space):
         pp = len(groups)
-        for (b, m, schedule, v, zero, sp), ep in itertools.product(
-                settings(model, groups, global_batch, space), expert_degrees(model, groups[0].dp, space)):
+        for (b, m, schedule, v, zero, sp, comm), ep in itertools.product(
+                settings(model, groups, global_batch, space),
+                expert_degrees(model, groups[0].dp * groups[0].cp, space)):
             for split in _splits(L, pp * v):
                 for modes in itertools.product(space.recompute, repeat=pp * v):
                     stages = tuple(Stage(a, e, j % pp, r) for j, ((a, e), r) in enumerate(zip(split, modes)))
                     plan = Plan(groups=groups, stages=stages, micro_batch=b, num_micro_batches=m,
                                 schedule=schedule, virtual_stages=v, sequence_parallel=sp, zero=zero, ep=ep,
-                                dtype=model.dtype, model=model.name, seq_len=model.seq_len)
+                                dtype=model.dtype, model=model.name, seq_len=model.seq_len, cp_comm=comm)
                     est = estimate(model, cluster, plan)
                     count += 1
                     if est.fits and (best_t is None or est.iteration_time_s < best_t):

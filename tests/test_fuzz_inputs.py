@@ -49,6 +49,27 @@ def _plan_doc() -> dict:
     return plan.to_dict()
 
 
+def _layouts_plan_doc() -> dict:
+    """A plan with a per-operator layout section (issue 16's operator-level plans)."""
+    from autoplan.layouts import Layouts, OpLayout, UnitLayout
+    doc = _plan_doc()
+    unit = UnitLayout(units=(1, 2), signature="0123abcd", input="R", output="R",
+                      params=(("fc1.weight", "S0"), ("fc2.weight", "S1")),
+                      ops=(OpLayout("linear", "aten.linear.default", ("R", "S0", None), ("S2",)),
+                           OpLayout("linear_1", "aten.linear.default", ("S2", "S1", None), ("P",))),
+                      coshard=2)
+    doc["layouts"] = Layouts(units=(unit,), interlaced=(3,), objective_s=0.01).to_dict()
+    return doc
+
+
+def _operator_profile_doc() -> dict:
+    entry = {"micro_batch": 1, "forward_ms": 0.12, "backward_ms": 0.3, "saved_bytes": 4096.0, "repeats": 5,
+             "wall_s": 0.01}
+    return {"format_version": 1, "device": "CPU", "dtype": "fp32", "statistic": "median", "torch": "2.13.0",
+            "entries": {"aten.mm.default(8x16:R,16x32:S1)|mb=1": entry,
+                        "aten.gelu.default(8x32:S1)|mb=1": dict(entry, forward_ms=0.01)}}
+
+
 def _profile_doc() -> dict:
     data = json.loads((REPO / "autoplan" / "data" / "profiles" / "CPU_fp32_torch-2.13.0-cpu.json").read_text())
     layers = data["layers"][:12]
@@ -100,6 +121,19 @@ def _read_plan(path: Path):
     build_program(plan)
     plan.describe()
     return plan
+
+
+def _read_operator_profile(path: Path):
+    from autoplan.catalog import get_device
+    from autoplan.profiler.operators import OperatorProfile
+    prof = OperatorProfile.load(path)
+    cpu = get_device("CPU")
+    return [prof.op_timing(cpu, key.rsplit("|mb=", 1)[0], e["micro_batch"]) for key, e in prof.entries.items()]
+
+
+def _ok_operator_profile(timings) -> None:
+    for t in timings:
+        assert t is None or all(math.isfinite(x) and x >= 0 for x in (t.forward, t.backward_input)), t
 
 
 def _read_hf(path: Path):
@@ -260,6 +294,8 @@ FORMATS = {
     "cluster": Format(lambda: json.loads((REPO / "examples/clusters/mixed-v100-t4.json").read_text()),
                       _read_cluster, _ok_cluster),
     "plan": Format(_plan_doc, _read_plan, _ok_plan),
+    "plan-layouts": Format(_layouts_plan_doc, _read_plan, _ok_plan),
+    "operator-profile": Format(_operator_profile_doc, _read_operator_profile, _ok_operator_profile),
     "hf-config": Format(_hf_doc, _read_hf, _ok_hf),
     "profile": Format(_profile_doc, _read_profile, _ok_profile),
     "run-record": Format(_record_doc, _read_record, _ok_record),

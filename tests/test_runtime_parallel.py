@@ -35,14 +35,15 @@ LOSS_ATOL = 1e-5
 
 
 def make_plan(pp=1, dp=1, tp=1, bounds=((0, 4),), mb=1, m=2, schedule="1f1b", v=1, zero=0, sp=False,
-              recompute="none", ep=1) -> Plan:
-    """Ranks pipeline-major, then data, tensor fastest (Plan's layout)."""
-    per = dp * tp
-    groups = tuple(DeviceGroup(tuple(range(p * per, (p + 1) * per)), tp) for p in range(pp))
+              recompute="none", cp=1, cp_comm="p2p", ep=1) -> Plan:
+    """Ranks pipeline-major, then data, then context, tensor fastest (Plan's layout)."""
+    per = dp * cp * tp
+    groups = tuple(DeviceGroup(tuple(range(p * per, (p + 1) * per)), tp, cp) for p in range(pp))
     modes = recompute if isinstance(recompute, (list, tuple)) else [recompute] * len(bounds)
     stages = tuple(Stage(a, b, i % pp, modes[i]) for i, (a, b) in enumerate(bounds))
     return Plan(groups=groups, stages=stages, micro_batch=mb, num_micro_batches=m, schedule=schedule,
-                virtual_stages=v, zero=zero, sequence_parallel=sp, dtype="fp32", ep=ep).validate()
+                virtual_stages=v, zero=zero, sequence_parallel=sp, dtype="fp32", cp_comm=cp_comm,
+                ep=ep).validate()
 
 
 # name -> (model preset, plan). gpt-tiny: tied embeddings, learned positions, biases,
@@ -77,6 +78,18 @@ CASES_2 = {
     # first backward, so the global batch's expert counts are complete when backward reads them.
     "lbl-micro": ("moe-tiny", make_plan(dp=2, m=2, ep=2, schedule="gpipe"), {"load_balancing": "micro"}),
     "lbl-global": ("moe-tiny", make_plan(dp=2, m=2, ep=2, schedule="gpipe"), {"load_balancing": "global"}),
+    # Current families: Qwen3's per-head q/k norm under TP (a replicated weight over sharded
+    # heads), Gemma 2's windows, soft-caps, sandwich norms and scaled tied table under TP + SP,
+    # OLMo 2's norm layout under ZeRO.
+    "qwen3-tp": ("qwen3-tiny", make_plan(tp=2, m=2)),
+    "gemma2-tp-sp": ("gemma2-tiny", make_plan(tp=2, m=2, sp=True)),
+    "olmo2-zero1": ("olmo2-tiny", make_plan(dp=2, m=2, zero=1)),
+    # Context parallelism: the zig-zag ring with a permutation (RoPE, GQA), the all-gather
+    # ring (learned positions, tied table, recomputed attention), and the head scatter
+    # (Gemma 2's windows and soft-caps run unchanged on whole sequences).
+    "cp-ring-p2p": ("llama-tiny", make_plan(cp=2, m=2)),
+    "cp-ring-all-gather": ("gpt-tiny", make_plan(cp=2, m=2, cp_comm="all_gather", recompute="selective")),
+    "cp-a2a-gemma2": ("gemma2-tiny", make_plan(cp=2, m=2, cp_comm="a2a")),
 }
 CASES_4 = {
     "dp-x-tp-zero3-sp": ("llama-tiny", make_plan(dp=2, tp=2, m=2, zero=3, sp=True)),
@@ -85,6 +98,9 @@ CASES_4 = {
                                                          schedule="zero-bubble", zero=3)),
     "pp-x-dp-1f1b-replicate": ("llama-tiny", make_plan(pp=2, dp=2, bounds=((0, 3), (3, 4)), m=2,
                                                         schedule="1f1b", zero=0)),
+    "cp-x-dp-zero1": ("llama-tiny", make_plan(dp=2, cp=2, m=2, zero=1)),
+    "cp-x-tp-sp": ("llama-tiny", make_plan(cp=2, tp=2, m=2, sp=True)),
+    "cp-a2a-x-dp-ddp": ("qwen3-tiny", make_plan(dp=2, cp=2, m=1, mb=2, cp_comm="a2a")),
     "pp-x-tp-interleaved-sp": ("gpt-tiny", make_plan(pp=2, tp=2, v=2, bounds=((0, 1), (1, 2), (2, 3), (3, 4)),
                                                      m=2, schedule="interleaved-1f1b", sp=True)),
     "ep4-x-dp4": ("moe-tiny", make_plan(dp=4, m=1, ep=4)),                      # one expert per rank
@@ -101,6 +117,10 @@ CASES_4 = {
 CASES_8 = {
     "pp-x-tp-x-dp-1f1b-zero1-sp": ("llama-tiny", make_plan(pp=2, dp=2, tp=2, bounds=((0, 2), (2, 4)), m=2,
                                                           schedule="1f1b", zero=1, sp=True)),
+    # Pipeline sends carry each context rank's part of the sequence; the tied table's two
+    # copies meet across stages per (replica, sequence shard).
+    "pp-x-cp-x-dp-1f1b": ("gpt-tiny", make_plan(pp=2, dp=2, cp=2, bounds=((0, 2), (2, 4)), m=2,
+                                                schedule="1f1b", cp_comm="all_gather")),
 }
 
 
@@ -125,7 +145,7 @@ def _equivalence(rank: int, model: str, plan: Plan, options: dict | None = None)
                      if n.endswith("experts.w1") and hasattr(p, "to_local")}
     return {"losses": [r.loss for r in records], "grad_norms": [r.grad_norm for r in records],
             "load_balancing": [r.load_balancing_loss for r in records], "local_experts": local_experts,
-            "grads": grads if lay.dp_rank == 0 and lay.tp_rank == 0 else {}}
+            "grads": grads if lay.dp_rank == 0 and lay.cp_rank == 0 and lay.tp_rank == 0 else {}}
 
 
 # ---------------------------------------------- checkpoints across plans (2 ranks)

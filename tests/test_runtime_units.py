@@ -78,10 +78,15 @@ def test_supported_plan_passes_and_mesh_follows_the_plans_ranks():
     plan = make_plan(pp=2, dp=2, tp=2, bounds=((0, 2), (2, 4)))
     check_plan_supported(plan, 4, kv_heads=2)
     grid = mesh_tensor(plan)
-    assert grid.shape == (2, 2, 2)
-    assert grid[1, 0, 1] == plan.groups[1].ranks[1]
+    assert grid.shape == (2, 2, 1, 2)
+    assert grid[1, 0, 0, 1] == plan.groups[1].ranks[1]
     lay = rank_layout(plan, 6)
-    assert (lay.pp_rank, lay.dp_rank, lay.tp_rank, lay.stage_ids) == (1, 1, 0, (1,))
+    assert (lay.pp_rank, lay.dp_rank, lay.cp_rank, lay.tp_rank, lay.stage_ids) == (1, 1, 0, 0, (1,))
+    with_cp = make_plan(dp=2, cp=2, tp=2)
+    grid = mesh_tensor(with_cp)
+    assert grid.shape == (1, 2, 2, 2) and grid[0, 1, 0, 1] == 5   # ranks[(d * cp + c) * tp + t]
+    lay = rank_layout(with_cp, 6)
+    assert (lay.dp_rank, lay.cp_rank, lay.tp_rank) == (1, 1, 0)
 
 
 def test_expert_coordinates_split_the_data_parallel_axis():

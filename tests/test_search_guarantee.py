@@ -86,6 +86,12 @@ CASES = {
         lambda: mixed([("a", 1, 2, 3.0, 100), ("b", 1, 1, 3.0, 50), ("c", 1, 1, 2.0, 25)]), 4,
         Space(schedules=("1f1b", "zero-bubble", "gpipe"), recompute=("none",), zero=(0, 1),
               sequence_parallel=(False,))),
+    # A long sequence on one node: context parallelism (every degree and exchange) against
+    # tensor, pipeline and data parallelism and recomputation.
+    "homogeneous-long-sequence-context": (
+        lambda: toy(2, 512, 8, 8192, 16000), lambda: homogeneous(6, 1, 4), 2,
+        Space(schedules=("1f1b",), recompute=("none", "full"), zero=(0, 3), max_micro_batch=1, pp=(1, 2),
+              min_cp_tokens=2048)),
     "v100-t4-gpt2-like-pinned-pp3": (
         lambda: toy(4, 1024, 16, 1024, 50257), lambda: real_mixed((1, 4), (2, 2)), 32,
         Space(schedules=("1f1b", "zero-bubble"), recompute=("none",), zero=(0, 1), sequence_parallel=(False,),

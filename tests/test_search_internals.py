@@ -26,8 +26,8 @@ MOE = models.transformer(layers=6, hidden=1024, heads=16, seq_len=1024, vocab=32
 
 
 def skeleton_of(plan: Plan, cluster: Cluster) -> Skeleton:
-    return Skeleton(groups=plan.groups,
-                    kinds=tuple(Kind(cluster.slots[g.ranks[0]].group, g.tp, plan.ep) for g in plan.groups))
+    return Skeleton(groups=plan.groups, kinds=tuple(Kind(cluster.slots[g.ranks[0]].group, g.tp, g.cp, plan.cp_comm,
+                                                         plan.ep) for g in plan.groups))
 
 
 def setting_of(plan: Plan) -> Setting:
@@ -56,6 +56,12 @@ HOMOGENEOUS = {
     "zero-bubble-zero3-full": dict(tp=2, pp=2, dp=2, micro_batch=1, global_batch=16, schedule="zero-bubble",
                                    zero=3, recompute="full"),
     "single-stage-zero2": dict(tp=8, pp=1, dp=2, micro_batch=4, global_batch=32, zero=2),
+    "cp2-ring-pp2-zero1-selective": dict(tp=2, cp=2, pp=2, dp=2, micro_batch=1, global_batch=8, zero=1,
+                                         recompute="selective"),
+    "cp4-all-gather-zero3": dict(tp=2, cp=4, pp=1, dp=2, micro_batch=2, global_batch=8, zero=3,
+                                 cp_comm="all_gather"),
+    "cp4-a2a-sp-full": dict(tp=2, cp=4, pp=2, dp=1, micro_batch=1, global_batch=8, cp_comm="a2a",
+                            sequence_parallel=True, recompute="full"),
 }
 CLUSTER = Cluster.homogeneous("A100-80GB", 2, 8, inter_node_GBps=25)
 MIXED = Cluster.load("examples/clusters/small-mixed-v100-t4.json")

@@ -11,6 +11,7 @@ import autoplan
 from autoplan.errors import ConfigError
 from autoplan.stacks import _FILE_KEYS, STACK_DIR, TARGET_STACKS, Stack, get_stack, stack_names
 from costmodel import EstimateOptions
+from costmodel.uncertainty import error_bands
 from costmodel.memory import loss_logits, model_state_bytes
 from tests.helpers import uniform_model
 
@@ -164,10 +165,12 @@ def test_estimate_names_its_inputs_and_interval():
     assert est.stack == "torchtitan"
     assert est.inputs["stack"].startswith("torchtitan")
     assert est.inputs["H100-SXM5-80GB"].startswith("roofline")
-    lo, hi = est.time_interval_s
-    assert lo <= est.iteration_time_s <= hi
-    mlo, mhi = est.memory_interval_bytes
-    assert mlo <= est.peak_memory_bytes <= mhi
+    # The interval is where the truth lay for 80% of the stack's checking rows; where the model
+    # was biased on them (torchtitan: every row measured slower), it need not contain the point.
+    time_band, memory_band = error_bands("torchtitan")
+    assert time_band.rows > 0 and time_band.low < time_band.high
+    assert est.time_interval_s == pytest.approx(time_band.interval(est.iteration_time_s))
+    assert est.memory_interval_bytes == pytest.approx(memory_band.interval(est.peak_memory_bytes))
     d = est.to_dict()
     assert d["stack"] == "torchtitan" and d["status"] in ("fits", "tight") and len(d["iteration_time_interval_s"]) == 2
 

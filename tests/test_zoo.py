@@ -23,6 +23,13 @@ TINY = {
     "gpt-relu-untied": ("gpt-tiny", {"mlp": "relu", "tie_embeddings": False}),
     "llama-gqa": ("llama-tiny", {}),
     "llama-math": ("llama-tiny", {"attention": "math"}),
+    "qwen2-qkv-bias": ("llama-tiny", {"qkv_bias": True}),
+    "qwen3-head-qk-norm": ("llama-tiny", {"qk_norm": "head"}),
+    "olmo2-full-qk-norm-output-norms": ("llama-tiny", {"qk_norm": "full", "norm_layout": "output"}),
+    "phi3-sliding-window": ("llama-tiny", {"sliding_window": 8}),
+    "gemma2": ("llama-tiny", dict(mlp="geglu", norm_layout="sandwich", sliding_window=8, global_every=2,
+                                  attn_softcap=50.0, logit_softcap=30.0, attn_scale=0.2, embed_scale=True,
+                                  tie_embeddings=True)),
     "moe": ("moe-tiny", {}),
     "moe-capacity": ("moe-tiny", {"capacity_factor": 1.0}),
     "deepseek-mla": ("deepseek-tiny", {}),
@@ -180,6 +187,8 @@ def _shard_like_tp(dst: nn.Module, src: nn.Module, plan: dict[str, str], rank: i
             for name, dim in (("w1", 1), ("w3", 1), ("w2", 2)):
                 n = getattr(d, name).shape[dim]
                 getattr(d, name).data.copy_(getattr(s, name).data.narrow(dim, rank * n, n))
+        elif style == "head_norm":   # replicated: every rank holds the whole scale
+            d.weight.data.copy_(s.weight.data)
         elif style == "rowwise":
             _shard_cols(d, s, rank, world)
         elif isinstance(s, nn.Embedding):  # colwise embedding: a block of columns (heads)
@@ -210,6 +219,11 @@ SHARD_CASES = {
     "llama-gqa-attention": (_transformer_shard_case, "llama-tiny", {}, Attention),
     "llama-math-attention": (_transformer_shard_case, "llama-tiny", {"attention": "math"}, Attention),
     "llama-swiglu": (_transformer_shard_case, "llama-tiny", {}, MLP),
+    "qwen2-qkv-bias-attention": (_transformer_shard_case, "llama-tiny", {"qkv_bias": True}, Attention),
+    "qwen3-head-qk-norm-attention": (_transformer_shard_case, "llama-tiny", {"qk_norm": "head"}, Attention),
+    "gemma2-attention": (_transformer_shard_case, "llama-tiny",
+                         dict(sliding_window=4, attn_softcap=5.0, attn_scale=0.3), Attention),
+    "gemma2-geglu": (_transformer_shard_case, "llama-tiny", {"mlp": "geglu"}, MLP),
     "bert-attention": (_transformer_shard_case, "bert-tiny", {}, Attention),
     "moe-experts": (_transformer_shard_case, "moe-tiny", {}, MoE),
     "moe-shared-experts": (_transformer_shard_case, "deepseek-tiny", {}, MoE),

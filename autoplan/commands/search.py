@@ -44,6 +44,10 @@ def register(sub) -> None:
     g.add_argument("--pp", type=_ints, default=None, help="pipeline depths")
     g.add_argument("--dp", type=_ints, default=None, help="data-parallel degrees")
     g.add_argument("--ep", type=_ints, default=None, help="expert-parallel degrees (mixture-of-experts models)")
+    g.add_argument("--cp", type=_ints, default=None,
+                   help="context-parallel degrees (default: 1 and those leaving each rank >= 4096 tokens)")
+    g.add_argument("--cp-comm", type=_words, default=None,
+                   help="context-parallel exchanges: p2p,all_gather,a2a (default: all)")
     g.add_argument("--micro-batch", type=_ints, default=None, help="micro-batch sizes")
     g.add_argument("--schedules", type=_words, default=None,
                    help="gpipe,1f1b,interleaved-1f1b,zero-bubble (default: all)")
@@ -51,6 +55,9 @@ def register(sub) -> None:
     g.add_argument("--zero", type=_ints, default=None, help="ZeRO stages, e.g. 0,1 (default: 0-3)")
     g.add_argument("--no-sequence-parallel", action="store_true", help="never use sequence parallelism")
     g.add_argument("--use-all-gpus", action="store_true", help="only plans that use every GPU")
+    g.add_argument("--layouts", action="store_true",
+                   help="also search every operator's layout on the tensor-parallel axis (CP-SAT over "
+                        "DTensor's strategies), with co-shard and interlaced variants; see docs/operators.md")
     e = p.add_argument_group("target engine")
     from autoplan.engines import ENGINE_NAMES
     e.add_argument("--for", dest="target", default="autoplan", choices=ENGINE_NAMES,
@@ -77,7 +84,7 @@ def run(args) -> int:
     options = cost_model_options(args)
     model = load_model(args)
     constraints = {"progress": not args.no_progress and not args.json, "options": options}
-    for name in ("tp", "pp", "dp", "ep", "micro_batch", "schedules", "recompute", "zero"):
+    for name in ("tp", "pp", "dp", "cp", "cp_comm", "ep", "micro_batch", "schedules", "recompute", "zero"):
         value = getattr(args, name)
         if value is not None:
             constraints[name] = value
@@ -90,6 +97,17 @@ def run(args) -> int:
         constraints["engine_version"] = args.engine_version
     if args.time_limit is not None:
         constraints["time_limit"] = args.time_limit
+    if args.layouts:
+        from autoplan.errors import ConfigError
+        from search.operators import search_operator_plans
+        if args.target != "autoplan":
+            raise ConfigError("--for", f"per-operator layouts run on autoplan's runtime only, not {args.target}",
+                              "drop --layouts or --for")
+        constraints.pop("sequence_parallel", None)
+
+        def search(model, cluster, global_batch, **c):  # noqa: F811 - the operator-level search
+            return search_operator_plans(model.config if model.config is not None else args.model, cluster,
+                                         global_batch, **c)
     try:
         result = search(model, cluster, args.global_batch, **constraints)
     except NoPlanFitsError as e:

@@ -23,9 +23,11 @@ MAX_AUX_LOSS_COEFF = 1_000.0
 
 ARCHS = ("gpt", "llama", "bert", "moe")
 NORMS = ("layernorm", "rmsnorm")
-MLPS = ("gelu", "swiglu", "relu")
+MLPS = ("gelu", "swiglu", "geglu", "relu")
 POSITIONS = ("learned", "rope")
 ATTENTIONS = ("flash", "math")
+NORM_LAYOUTS = ("pre", "post", "sandwich", "output")
+QK_NORMS = ("none", "head", "full")
 
 
 @dataclass(frozen=True)
@@ -56,7 +58,8 @@ class TransformerConfig:
     norm: str | None = None
     """'layernorm' or 'rmsnorm'; None = the family's default."""
     mlp: str | None = None
-    """'gelu', 'relu' or 'swiglu'; None = the family's default."""
+    """'gelu', 'relu', 'swiglu' or 'geglu' (gated like SwiGLU, with a tanh-GELU gate: Gemma);
+    None = the family's default."""
     position: str | None = None
     """'learned' absolute positions or 'rope'; None = the family's default."""
     bias: bool | None = None
@@ -122,6 +125,35 @@ class TransformerConfig:
     attention probabilities (Megatron-LM's hidden and attention dropout, GPT-2/3's 0.1).
     Training keeps a one-byte mask per dropped element for the backward; fused attention
     regenerates its mask from the RNG state instead."""
+    # Features of the 2024-2025 decoder families (Qwen2.5, Qwen3, OLMo 2, Gemma 2, Phi-3).
+    qk_norm: str = "none"
+    """RMSNorm on queries and keys before RoPE: 'none'; 'head' (one head_dim-wide scale
+    shared by every head: Qwen3) or 'full' (over the whole q and k projections: OLMo 2)."""
+    norm_layout: str | None = None
+    """Where a block's norms sit: 'pre' (x + f(norm(x)): GPT-2, Llama), 'post'
+    (norm(x + f(x)): BERT), 'sandwich' (x + norm(f(norm(x))): Gemma 2) or 'output'
+    (x + norm(f(x)): OLMo 2); None = 'post' for bert, else 'pre'."""
+    sliding_window: int = 0
+    """Tokens a query sees (itself included) on windowed layers; 0 = full attention."""
+    global_every: int = 0
+    """With a sliding window, every this-many-th layer (index % n == n - 1) attends to the
+    whole sequence (Gemma 2: 2, local and global alternate); 0 = every layer is windowed."""
+    attn_softcap: float = 0.0
+    """Attention scores are capped as cap * tanh(score / cap) (Gemma 2: 50); 0 = no cap."""
+    logit_softcap: float = 0.0
+    """Output logits capped the same way (Gemma 2: 30); 0 = no cap."""
+    attn_scale: float | None = None
+    """Factor on q.k scores; None = 1/sqrt(head_dim) (Gemma 2: query_pre_attn_scalar ** -0.5)."""
+    embed_scale: bool = False
+    """Token embeddings are multiplied by sqrt(hidden) (Gemma)."""
+
+    def layer_window(self, index: int) -> int:
+        """Sliding-window width of block ``index`` (0-based); 0 = the block attends globally."""
+        if not self.sliding_window:
+            return 0
+        if self.global_every and index % self.global_every == self.global_every - 1:
+            return 0
+        return self.sliding_window
 
     def resolved(self) -> "TransformerConfig":
         """A copy with every family default filled in, validated."""
@@ -155,6 +187,7 @@ class TransformerConfig:
             kv_heads=c.heads,
             head_dim=c.hidden // c.heads if c.hidden % c.heads == 0 else None,
             max_positions=c.seq_len,
+            norm_layout="post" if c.arch == "bert" else "pre",
             qkv_bias=c.bias if c.bias is not None else not llama_like,
         )
         updates = {k: v for k, v in defaults.items() if getattr(c, k) is None}
@@ -163,7 +196,7 @@ class TransformerConfig:
             raise ConfigError("hidden", f"{c.hidden} is not divisible by heads={c.heads}",
                               "give head_dim explicitly")
         if c.ffn_hidden is None:
-            if c.mlp == "swiglu":
+            if c.mlp in ("swiglu", "geglu"):
                 # Llama's rule: 2/3 of 4h, rounded up to a multiple of 256.
                 ffn = int(2 * 4 * c.hidden / 3)
                 ffn = 256 * ((ffn + 255) // 256)
@@ -173,7 +206,8 @@ class TransformerConfig:
         if c.kv_heads < 1 or c.heads % c.kv_heads:
             raise ConfigError("kv_heads", f"heads={c.heads} must be a multiple of kv_heads={c.kv_heads}")
         for name, choices in (("norm", NORMS), ("mlp", MLPS), ("position", POSITIONS),
-                              ("attention", ATTENTIONS)):
+                              ("attention", ATTENTIONS), ("norm_layout", NORM_LAYOUTS),
+                              ("qk_norm", QK_NORMS)):
             if getattr(c, name) not in choices:
                 raise ConfigError(name, f"{getattr(c, name)!r} is not one of {list(choices)}")
         if isinstance(c.dropout, bool) or not isinstance(c.dropout, (int, float)) or not 0 <= c.dropout < 1:
@@ -238,6 +272,19 @@ class TransformerConfig:
                               "drop rope_theta / rope_scaling_factor or use position='rope'")
         if c.position == "rope" and c.rope_theta is None:
             c = dataclasses.replace(c, rope_theta=10000.0)
+        for name in ("sliding_window", "global_every"):
+            v = getattr(c, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                raise ConfigError(name, f"must be an integer >= 0, got {v!r}")
+        for name in ("attn_softcap", "logit_softcap"):
+            v = getattr(c, name)
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or v < 0:
+                raise ConfigError(name, f"must be a number >= 0 (0 = off), got {v!r}")
+        if c.attn_scale is not None and not c.attn_scale > 0:
+            raise ConfigError("attn_scale", f"must be > 0, got {c.attn_scale!r}")
+        if (c.sliding_window or c.attn_softcap) and not c.causal:
+            raise ConfigError("sliding_window" if c.sliding_window else "attn_softcap",
+                              "is only modelled for causal decoders")
         if c.position == "learned" and c.max_positions < c.seq_len:
             raise ConfigError("seq_len", f"{c.seq_len} exceeds the learned position table "
                               f"({c.max_positions})", "raise max_positions or shorten seq_len")

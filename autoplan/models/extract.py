@@ -515,6 +515,15 @@ def _signature(unit: nn.Module, x: torch.Tensor) -> tuple:
             tuple((n, tuple(p.shape)) for n, p in unit.named_parameters()))
 
 
+def window_fraction(seq_len: int, window: int) -> float:
+    """Share of causal attention's (query, key) pairs a sliding window of ``window`` tokens
+    keeps: w(w+1)/2 + (s-w)w pairs of s(s+1)/2 (1.0 without a window or when w >= s)."""
+    s, w = seq_len, window
+    if not w or w >= s:
+        return 1.0
+    return (w * (w + 1) / 2 + (s - w) * w) / (s * (s + 1) / 2)
+
+
 def spec_from_config(cfg, dtype: str = "bf16") -> ModelSpec:
     """Measure the spec of a zoo architecture (TransformerConfig or SwinConfig)."""
     from autoplan.models.zoo import build_model, example_inputs, loss_fn
@@ -575,7 +584,10 @@ def spec_from_config(cfg, dtype: str = "bf16") -> ModelSpec:
         emb, head = layers[0], layers[-1]
         blocks = [layers[1]] * (cfg.dense_layers if dense else 0)
         blocks += [layers[1 + dense]] * (cfg.layers - len(blocks))
-        layers = [emb] + [dataclasses.replace(b, name=f"block.{i}") for i, b in enumerate(blocks)] + [head]
+        # Blocks differ only in their attention window (Gemma 2 alternates local and global).
+        layers = [emb] + [dataclasses.replace(
+            b, name=f"block.{i}", attention_fraction=window_fraction(cfg.seq_len, cfg.layer_window(i)))
+            for i, b in enumerate(blocks)] + [head]
     else:
         counts: dict[str, int] = {}
         renamed = []

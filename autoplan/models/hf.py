@@ -16,7 +16,8 @@ from autoplan.limits import MAX_EXPERTS, MAX_FFN, MAX_HIDDEN, MAX_LAYERS
 from autoplan.models.config import MAX_AUX_LOSS_COEFF, TransformerConfig
 from autoplan.models.presets import apply_overrides
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "mixtral", "qwen2", "gpt2", "gpt_neox", "bert")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "mixtral", "qwen2", "gpt2", "gpt_neox", "bert",
+                         "qwen3", "olmo2", "phi3", "gemma2")
 SUPPORTED_MODEL_TYPES += ("qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3")   # mixtures of experts
 
 MAX_CONFIG_BYTES = 4 * 2**20
@@ -40,6 +41,10 @@ _FAMILY: dict[str, tuple[str, str, bool]] = {
     "gpt_neox": ("gpt", "rope", False),  # parallel residual and partial rotary ignored
     "gpt2": ("gpt", "learned", True),
     "bert": ("bert", "learned", True),
+    "qwen3": ("llama", "rope", False),
+    "olmo2": ("llama", "rope", False),
+    "phi3": ("llama", "rope", False),    # fused qkv/gate-up projections: same shapes as separate ones
+    "gemma2": ("llama", "rope", True),
 }
 
 
@@ -184,6 +189,7 @@ def config_from_hf(source: str | os.PathLike | Mapping, **overrides: Any) -> Tra
     # A label for reports: the hub id if saved with one, else the model's directory name.
     name = r.str("_name_or_path", "") or (path.resolve().parent.name if path else "") or model_type
     facts = _facts(r, model_type, position)
+    fields.update(_family_features(model_type, r))
     cfg = TransformerConfig(
         name=name, arch=arch, seq_len=min(max_positions, DEFAULT_MAX_SEQ_LEN), position=position,
         max_positions=max_positions if position == "learned" else None,
@@ -233,4 +239,44 @@ def _facts(r: FieldReader, model_type: str, position: str) -> dict:
         out["qkv_bias"] = True   # Qwen2's attention always has q/k/v biases
     elif r.has("attention_bias"):
         out["qkv_bias"] = r.bool("attention_bias")
+    return out
+
+
+def _unsupported(r: FieldReader, key: str, problem: str, fix: str) -> ConfigError:
+    return ConfigError(r.path(key), problem + " is not modelled", fix)
+
+
+def _family_features(model_type: str, r: FieldReader) -> dict[str, Any]:
+    """The TransformerConfig fields a family's config.json sets beyond the common shape
+    keys. A key that would change the model in a way autoplan does not model raises a
+    ConfigError naming it, rather than planning silently for a different model."""
+    out: dict[str, Any] = {}
+    if model_type in ("llama", "mistral", "qwen3", "olmo2") and r.bool("attention_bias", False):
+        raise _unsupported(r, "attention_bias", "true (biases on q/k/v and the output projection)",
+                           "set it to false, or describe the model with autoplan.models.transformer(bias=True)")
+    if model_type == "llama" and r.bool("mlp_bias", False):
+        raise _unsupported(r, "mlp_bias", "true", "set it to false")
+    if model_type in ("qwen2", "qwen3") and r.bool("use_sliding_window", False):
+        raise _unsupported(r, "use_sliding_window", "true (windows on the layers from max_window_layers on)",
+                           "set it to false (the released Qwen2.5 and Qwen3 configs do)")
+    if model_type == "qwen3":
+        out["qk_norm"] = "head"         # RMSNorm over head_dim on q and k, before RoPE
+    if model_type == "olmo2":
+        out["qk_norm"] = "full"         # RMSNorm over the whole q and k projections
+        out["norm_layout"] = "output"   # x + norm(f(x)): norms after attention and MLP
+    if model_type in ("mistral", "phi3"):
+        # Every layer is windowed (Mistral v0.1: 4096; Phi-3-mini-4k: 2047; null = none).
+        out["sliding_window"] = r.int("sliding_window", 0, minimum=0)
+    if model_type == "gemma2":
+        act = r.str("hidden_activation", None) or r.str("hidden_act", "gelu_pytorch_tanh")
+        if act not in ("gelu_pytorch_tanh", "gelu"):
+            raise _unsupported(r, "hidden_activation", f"{act!r}", "Gemma 2 uses gelu_pytorch_tanh")
+        head_dim = r.int("head_dim", 256, minimum=1)
+        out.update(
+            head_dim=head_dim, mlp="geglu", norm_layout="sandwich", embed_scale=True,
+            # Local (sliding) and global layers alternate, starting with a local one.
+            sliding_window=r.int("sliding_window", 4096, minimum=0), global_every=2,
+            attn_softcap=r.float("attn_logit_softcapping", 0.0, minimum=0.0) or 0.0,
+            logit_softcap=r.float("final_logit_softcapping", 0.0, minimum=0.0) or 0.0,
+            attn_scale=r.float("query_pre_attn_scalar", float(head_dim), positive=True) ** -0.5)
     return out

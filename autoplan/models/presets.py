@@ -122,6 +122,17 @@ _ALL: list[ModelConfig] = [
                       tie_embeddings=True),
     TransformerConfig(name="llama-tiny", arch="llama", layers=2, hidden=64, heads=4, kv_heads=2,
                       vocab=256, seq_len=32),
+    # The features of Qwen3 (per-head q/k norm), OLMo 2 (full-width q/k norm, norms after
+    # each sub-layer) and Gemma 2 (GeGLU, sandwich norms, alternating sliding windows,
+    # soft-capped scores and logits, scaled tied embeddings) at the size of llama-tiny.
+    TransformerConfig(name="qwen3-tiny", arch="llama", layers=2, hidden=64, heads=4, kv_heads=2,
+                      vocab=256, seq_len=32, qk_norm="head"),
+    TransformerConfig(name="olmo2-tiny", arch="llama", layers=2, hidden=64, heads=4, kv_heads=2,
+                      vocab=256, seq_len=32, qk_norm="full", norm_layout="output"),
+    TransformerConfig(name="gemma2-tiny", arch="llama", layers=2, hidden=64, heads=4, kv_heads=2,
+                      vocab=256, seq_len=32, mlp="geglu", norm_layout="sandwich", sliding_window=8,
+                      global_every=2, attn_softcap=50.0, logit_softcap=30.0, attn_scale=0.25,
+                      embed_scale=True, tie_embeddings=True),
     TransformerConfig(name="moe-tiny", arch="moe", layers=2, hidden=64, heads=4, kv_heads=2,
                       ffn_hidden=128, num_experts=4, top_k=2, vocab=256, seq_len=32),
     # DeepSeek's layout in miniature: a dense first block, then latent attention with shared

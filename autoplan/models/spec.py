@@ -78,6 +78,25 @@ class Gemm:
 
 
 @dataclass(frozen=True)
+class Collective:
+    """One collective an operator-level layout implies on the tensor-parallel ranks
+    (see :mod:`autoplan.layouts`: DTensor ``redistribute`` between a producer's and a
+    consumer's placement, or of a gradient on its way back)."""
+
+    kind: str
+    """'all_reduce', 'all_gather', 'reduce_scatter' or 'all_to_all'."""
+    nbytes: float
+    """Full size of the tensor: per sample when ``batch_scaled``, else in total."""
+    phase: str = "forward"
+    """'forward' or 'backward'."""
+    batch_scaled: bool = True
+    """The tensor grows with the micro-batch (an activation; False for a parameter's gradient)."""
+    scope: str = "tp"
+    """'tp' (the group's tensor-parallel ranks) or 'pipeline' (every rank of the pipeline
+    replica: an interlaced unit)."""
+
+
+@dataclass(frozen=True)
 class ActivationBytes:
     """Bytes a layer keeps for backward per sample, by recompute mode."""
 
@@ -155,6 +174,14 @@ class LayerSpec:
     in backward); with sequence parallelism each becomes a reduce-scatter + all-gather pair."""
     causal: bool = False
     """Attention is causal: fused kernels skip the masked half of the s x s work."""
+    tp_collectives: tuple[Collective, ...] = ()
+    """Collectives of an operator-level layout (in addition to ``tp_allreduces_fwd``)."""
+    transient_bytes: Split = Split()
+    """Bytes per sample held only while the unit's backward runs (a co-sharded unit
+    rebuilding one chunk; an interlaced unit's share), on top of the usual temporaries."""
+    attention_fraction: float = 1.0
+    """Share of that (causal) work a fused attention kernel does: 1 = every pair; a sliding
+    window of w tokens over a sequence of s leaves about w/s of it."""
     experts: ExpertSpec | None = None
     """The unit's routed experts (mixture-of-experts units only)."""
 

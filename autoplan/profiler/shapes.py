@@ -108,6 +108,10 @@ def shape_key(layer: LayerSpec) -> ShapeKey:
         "attention_per_token2": [per_token2(layer.attention_flops_fwd.replicated),
                                  per_token2(layer.attention_flops_fwd.sharded)],
     }
+    if layer.attention_fraction != 1.0:
+        # A sliding window does less attention work (keys added only when present, so the
+        # fingerprints of full-attention layers stay what they were).
+        desc["attention_fraction"] = _round(layer.attention_fraction)
     text = json.dumps(desc, sort_keys=True, separators=(",", ":"))
     return ShapeKey(fingerprint=hashlib.sha1(text.encode()).hexdigest()[:16], tokens=s)
 
@@ -168,7 +172,8 @@ def spec_from_dict(d: dict, where: str = "spec") -> LayerSpec:
         kernels_bwd=r.int("kernels_bwd", minimum=0, maximum=10**9),
         activation_bytes=ActivationBytes(**{k: split(k, act) for k in ("none", "selective", "full")}),
         output_bytes=num(r, "output_bytes"), tp_allreduces_fwd=r.int("tp_allreduces_fwd", minimum=0, maximum=10**6),
-        causal=r.bool("causal"), experts=experts(r.sub("experts", None)))
+        causal=r.bool("causal"), experts=experts(r.sub("experts", None)),
+        attention_fraction=r.float("attention_fraction", 1.0, minimum=0.0, maximum=1.0))
 
 
 # ------------------------------------------------------------------ shard configs

@@ -178,6 +178,7 @@ def tensor_parallel_styles(unit: nn.Module, sequence_parallel: bool) -> tuple[di
     * ``output`` -> ColwiseParallel over the vocabulary, gathered to replicated logits (no
       loss parallelism: the zoo's loss takes full logits);
     * ``norm`` -> replicated; under SP a SequenceParallel region.
+    * ``head_norm`` -> replicated, run as SequenceParallel over the head dimension.
 
     Under SP a *region* is the top-level child holding colwise/rowwise modules
     (``attention``, ``mlp``, ``moe``): its input is all-gathered along the sequence
@@ -215,6 +216,11 @@ def tensor_parallel_styles(unit: nn.Module, sequence_parallel: bool) -> tuple[di
         elif style == "norm":
             if sp:
                 plan[fqn] = SequenceParallel(use_local_output=True)
+        elif style == "head_norm":
+            # A norm applied per head ([b, s, heads, head_dim]) to the heads this rank holds:
+            # replicated weight, input sharded on the head dimension, so its gradient is
+            # summed over the tensor-parallel ranks like a sequence-parallel norm's.
+            plan[fqn] = SequenceParallel(sequence_dim=2, use_local_output=True)
         elif style == "embedding":
             plan[fqn] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
         elif style == "output":

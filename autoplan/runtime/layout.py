@@ -1,8 +1,8 @@
-"""Where each process sits in a plan: the ("pp", "dp", "tp") device mesh and this
+"""Where each process sits in a plan: the ("pp", "dp", "cp", "tp") device mesh and this
 rank's coordinates, and the checks a plan must pass before the runtime can run it.
 
-The plan's groups are laid out exactly as written (``groups[g].ranks[d * tp + t]`` is
-pipeline rank g, data replica d, tensor shard t), so a planner that placed tensor
+The plan's groups are laid out exactly as written (``groups[g].ranks[(d * cp + c) * tp + t]``
+is pipeline rank g, data replica d, sequence shard c, tensor shard t), so a planner that placed tensor
 parallel ranks inside a node on a heterogeneous cluster gets that placement; the mesh
 is built from those ranks, not from a default row-major order.
 """
@@ -17,7 +17,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from autoplan.errors import ConfigError
 from autoplan.plan import Plan
 
-MESH_DIMS = ("pp", "dp", "tp")
+MESH_DIMS = ("pp", "dp", "cp", "tp")
 """Names of the runtime's mesh axes, outermost first."""
 EXPERT_DIMS = ("edp", "ep")
 """The data-parallel axis split for routed experts: ``ep`` ranks that share out the experts
@@ -27,7 +27,7 @@ ranks holding the same experts."""
 
 @dataclass(frozen=True)
 class RankLayout:
-    """This process's coordinates in the plan's (pp, dp, tp) grid."""
+    """This process's coordinates in the plan's (pp, dp, cp, tp) grid."""
 
     rank: int
     """Global rank (torch.distributed)."""
@@ -37,12 +37,16 @@ class RankLayout:
     """Pipeline rank = index into plan.groups."""
     dp_rank: int
     """Data-parallel replica inside the group."""
+    cp_rank: int
+    """Context-parallel (sequence) shard inside the replica."""
     tp_rank: int
     """Tensor-parallel shard inside the replica."""
     pp: int
     """Pipeline degree."""
     dp: int
     """Data-parallel degree (the same for every group)."""
+    cp: int
+    """Context-parallel degree (the same for every group)."""
     tp: int
     """Tensor-parallel degree (the same for every group in this runtime)."""
     stage_ids: tuple[int, ...]
@@ -51,8 +55,8 @@ class RankLayout:
     """Expert-parallel degree (divides dp)."""
 
     def coordinate(self, dim: str) -> int:
-        return {"pp": self.pp_rank, "dp": self.dp_rank, "tp": self.tp_rank, "ep": self.dp_rank % self.ep,
-                "edp": self.dp_rank // self.ep}[dim]
+        return {"pp": self.pp_rank, "dp": self.dp_rank, "cp": self.cp_rank, "tp": self.tp_rank,
+                "ep": self.dp_rank % self.ep, "edp": self.dp_rank // self.ep}[dim]
 
 
 def check_plan_supported(plan: Plan, num_units: int, kv_heads: int | None = None,
@@ -64,6 +68,14 @@ def check_plan_supported(plan: Plan, num_units: int, kv_heads: int | None = None
     if num_experts % plan.ep:
         raise ConfigError("ep", f"{plan.ep} does not divide the model's {num_experts} experts",
                           "pick an ep that divides the expert count")
+    if plan.cp > 1 and num_experts:
+        raise ConfigError("cp", f"is {plan.cp}: this runtime does not run context parallelism with "
+                          "mixture-of-experts layers (their load-balancing counts and expert gradients are "
+                          "reduced over data-parallel ranks only)", "use cp 1 for a mixture-of-experts model")
+    if plan.layouts is not None:
+        raise ConfigError("layouts", "this trainer runs the model family's tensor-parallel recipe, not "
+                          "per-operator layouts", "run them with autoplan.runtime.operators.OperatorParallel "
+                          "(see docs/operators.md)")
     tps = [g.tp for g in plan.groups]
     if len(set(tps)) > 1:
         i = next(i for i, t in enumerate(tps) if t != tps[0])
@@ -104,15 +116,15 @@ def check_plan_supported(plan: Plan, num_units: int, kv_heads: int | None = None
             # mesh axis whose ranks do not increase with the coordinate would give DTensor
             # and pipeline p2p a group-rank order different from the plan's.
             raise ConfigError("groups", f"ranks do not increase along the {name!r} axis of the plan",
-                              "order groups by rank (pipeline rank g before g+1, replicas and "
-                              "tensor shards in rank order)")
+                              "order groups by rank (pipeline rank g before g+1, replicas, "
+                              "sequence shards and tensor shards in rank order)")
 
 
 def mesh_tensor(plan: Plan) -> torch.Tensor:
-    """[pp, dp, tp] tensor of global ranks, following the plan's own rank placement."""
-    tp = plan.groups[0].tp
-    return torch.tensor([[list(g.ranks[d * tp:(d + 1) * tp]) for d in range(g.dp)] for g in plan.groups],
-                        dtype=torch.int64)
+    """[pp, dp, cp, tp] tensor of global ranks, following the plan's own rank placement."""
+    tp, cp = plan.groups[0].tp, plan.cp
+    return torch.tensor([[[list(g.ranks[(d * cp + c) * tp:(d * cp + c + 1) * tp]) for c in range(cp)]
+                          for d in range(g.dp)] for g in plan.groups], dtype=torch.int64)
 
 
 def rank_layout(plan: Plan, rank: int) -> RankLayout:
@@ -122,14 +134,14 @@ def rank_layout(plan: Plan, rank: int) -> RankLayout:
     if len(hits) != 1:
         raise ConfigError("groups", f"rank {rank} is not in the plan (it has {plan.num_gpus} ranks)",
                           f"launch exactly {plan.num_gpus} processes")
-    p, d, t = (int(x) for x in hits[0])
-    pp, dp, tp = grid.shape
-    return RankLayout(rank=rank, world_size=plan.num_gpus, pp_rank=p, dp_rank=d, tp_rank=t,
-                      pp=pp, dp=dp, tp=tp, stage_ids=tuple(plan.stages_of_group(p)), ep=plan.ep)
+    p, d, c, t = (int(x) for x in hits[0])
+    pp, dp, cp, tp = grid.shape
+    return RankLayout(rank=rank, world_size=plan.num_gpus, pp_rank=p, dp_rank=d, cp_rank=c, tp_rank=t,
+                      pp=pp, dp=dp, cp=cp, tp=tp, stage_ids=tuple(plan.stages_of_group(p)), ep=plan.ep)
 
 
 def build_mesh(plan: Plan, device_type: str) -> DeviceMesh:
-    """The ("pp", "dp", "tp") DeviceMesh of the plan over the current process group."""
+    """The ("pp", "dp", "cp", "tp") DeviceMesh of the plan over the current process group."""
     world = dist.get_world_size()
     if world != plan.num_gpus:
         raise ConfigError("plan", f"needs {plan.num_gpus} processes but {world} were launched",

@@ -33,6 +33,7 @@ from autoplan.models.config import SwinConfig, TransformerConfig
 from autoplan.models.zoo import loss_fn as zoo_loss_fn
 from autoplan.plan import Plan
 from autoplan.runtime import build as B
+from autoplan.runtime.context import apply_context_parallel, check_context_supported, shard_positions
 from autoplan.runtime.data import DataSource, replica_slice
 from autoplan.runtime.executor import LocalExecutor, PipelineExecutor
 from autoplan.runtime.experts import LOAD_BALANCING, configure_load_balancing, start_step, step_value
@@ -175,6 +176,11 @@ def _check_tp_shapes(cfg, tp: int) -> None:
     if tp == 1:
         return
     if isinstance(cfg, TransformerConfig):
+        if cfg.qk_norm == "full":
+            # OLMo 2 normalises q and k over all heads: a tensor-parallel rank holds only some
+            # of them, and the statistic would need an all-reduce inside the norm.
+            raise ConfigError("groups[0].tp", f"{tp}: the model's q/k norm spans all heads "
+                              "(qk_norm='full'), which the runtime does not shard", "use tp=1")
         checks = {"heads": cfg.heads, "kv_heads": cfg.kv_heads, "ffn_hidden": cfg.ffn_hidden, "vocab": cfg.vocab}
     else:
         checks = {f"heads[{i}]": h for i, h in enumerate(cfg.heads)}
@@ -220,9 +226,13 @@ class Trainer:
                              sequence_parallel_ok=all(issubclass(t, B.SEQUENCE_PARALLEL_UNITS) for t in unit_types),
                              num_experts=num_experts)
         _check_tp_shapes(self.cfg, plan.groups[0].tp)
+        check_context_supported(self.cfg, plan.cp, plan.cp_comm, self.cfg.seq_len)
         self.mesh = build_mesh(plan, self.device.type)
         self.layout = rank_layout(plan, dist.get_rank())
         lay = self.layout
+        # The tokens of every sequence this rank holds (all of them without context parallelism).
+        self.positions = (shard_positions(self.cfg.seq_len, lay.cp, lay.cp_rank, plan.cp_comm, self.cfg.causal)
+                          if lay.cp > 1 else None)
 
         # Mixed precision only on GPUs: CPU kernels for bf16 are slow and partial, and the
         # point of CPU runs is checking correctness in fp32.
@@ -231,7 +241,9 @@ class Trainer:
         if dtype is not None and self.compute_dtype is None:
             self.log(f"warning: the plan computes in {plan.dtype}; on {self.device.type} this run computes in "
                      "fp32, so its step time and memory are not the plan's (run it on GPUs for those)")
-        self.dp_choice = B.data_parallel_choice(lay.dp, plan.zero, lay.pp, lay.tp, plan.schedule, plan.ep)
+        # Context ranks hold the same weights as data replicas: gradients are averaged, and
+        # ZeRO shards states, over both (Megatron-Core's data-parallel-with-context group).
+        self.dp_choice = B.data_parallel_choice(lay.dp * lay.cp, plan.zero, lay.pp, lay.tp, plan.schedule, plan.ep)
         mp_policy, autocast = None, self.compute_dtype
         if self.compute_dtype is not None and self.dp_choice.wrapper in ("replicate", "fully_shard"):
             from torch.distributed.fsdp import MixedPrecisionPolicy
@@ -243,6 +255,8 @@ class Trainer:
         unit_ids = [u for s in lay.stage_ids for u in range(plan.stages[s].start, plan.stages[s].end)]
         units = B.meta_units(self.cfg, unit_ids)
         tp_mesh, dp_mesh = self.mesh["tp"], self.mesh["dp"]
+        if lay.cp > 1:
+            dp_mesh = self.mesh["dp", "cp"]._flatten("dp_cp")
         # Routed experts live on the same mesh with "dp" split into ("edp", "ep") whenever
         # they are sharded (by expert, or by tensor parallelism like a dense MLP).
         self.expert_mesh = (expert_mesh(self.mesh, plan) if num_experts and (plan.ep > 1 or lay.tp > 1)
@@ -255,6 +269,8 @@ class Trainer:
             for unit in mine.values():
                 if lay.tp > 1:
                     B.apply_tensor_parallel(unit, tp_mesh, plan.sequence_parallel)
+                if lay.cp > 1:
+                    apply_context_parallel(unit, self.mesh["cp"], plan.cp_comm, self.positions)
                 if self.expert_mesh is not None:
                     B.apply_expert_parallel(unit, self.expert_mesh["ep", "tp"])
                 B.apply_recompute(unit, stage.recompute)
@@ -315,11 +331,12 @@ class Trainer:
         from autoplan.runtime.layout import mesh_tensor
         grid = mesh_tensor(self.plan)
         for d in range(grid.shape[1]):
-            for t in range(grid.shape[2]):
-                pair = [int(grid[first, d, t]), int(grid[last, d, t])]
-                group = dist.new_group(pair)
-                if dist.get_rank() in pair:
-                    self.tied_group = group
+            for c in range(grid.shape[2]):
+                for t in range(grid.shape[3]):
+                    pair = [int(grid[first, d, c, t]), int(grid[last, d, c, t])]
+                    group = dist.new_group(pair)
+                    if dist.get_rank() in pair:
+                        self.tied_group = group
 
     def _make_optimizer(self) -> torch.optim.Optimizer:
         o = self.options
@@ -349,6 +366,8 @@ class Trainer:
         t0 = time.perf_counter()
         batch = self.data.next_batch()
         inputs, targets = replica_slice(batch, self.layout.dp_rank, self.layout.dp)
+        if self.positions is not None:
+            inputs, targets = inputs[:, self.positions], targets[:, self.positions]
         self.optimizer.zero_grad(set_to_none=True)
         losses = self.executor.run(inputs, targets)
         self._match_grad_placements()
@@ -392,7 +411,7 @@ class Trainer:
 
     def _counts_here(self, g: torch.Tensor) -> bool:
         """Whether this rank's copy of ``g`` is the one to count: a tensor replicated over
-        the dp or tp axis is counted on coordinate 0 of that axis only. Routed experts'
+        the dp, cp or tp axis is counted on coordinate 0 of that axis only. Routed experts'
         tensors see the dp axis as ("edp", "ep") and are judged on those."""
         sharded: set[str] = set()
         names: tuple = ()
@@ -404,8 +423,8 @@ class Trainer:
                 # Anything not Replicate is a shard (FSDP x TP uses _StridedShard, which
                 # is not a Shard subclass and answers is_shard() with False).
                 if not placement.is_replicate():
-                    sharded.add(name)
-        data = EXPERT_DIMS if set(EXPERT_DIMS) & set(names) else ("dp",)
+                    sharded.update(name.split("_"))   # the flattened "dp_cp" axis shards both
+        data = EXPERT_DIMS if set(EXPERT_DIMS) & set(names) else ("dp", "cp")
         return all(self.layout.coordinate(axis) == 0 for axis in (*data, "tp") if axis not in sharded)
 
     def optimizer_step(self) -> float:
@@ -436,8 +455,9 @@ class Trainer:
             torch.cuda.synchronize(self.device)
         elapsed = now() - t0
         lay = self.layout
-        # The last pipeline rank holds the losses; tp ranks hold copies, dp replicas parts.
-        contrib = sum(losses) / len(losses) / lay.dp if losses and lay.tp_rank == 0 else 0.0
+        # The last pipeline rank holds the losses; tp ranks hold copies, dp replicas and cp
+        # ranks parts (each the mean over its own, equally many, tokens).
+        contrib = sum(losses) / len(losses) / (lay.dp * lay.cp) if losses and lay.tp_rank == 0 else 0.0
         balance, layers = step_value(self.balance) if lay.tp_rank == 0 else (0.0, 0)
         # One all-gather carries every rank's (time, loss share, peak memory, load-balancing
         # loss summed over its MoE layers, and their count).

@@ -8,7 +8,8 @@ Contract the planner and runtime rely on:
 * every unit has ``tp_plan() -> {relative submodule name: style}`` with styles
   ``colwise``, ``rowwise`` (Megatron linear sharding), ``norm`` (replicated norm; a
   sequence-parallel region under SP), ``embedding`` (vocab-sharded token table),
-  ``output`` (vocab-sharded output projection), ``experts`` (a ``GroupedExperts``:
+  ``output`` (vocab-sharded output projection), ``head_norm`` (a replicated norm applied per
+  head, to heads that tensor parallelism spreads over ranks), ``experts`` (a ``GroupedExperts``:
   stacked expert weights, sharded by expert under expert parallelism and like a Megatron
   MLP under tensor parallelism) and ``head_shared`` (a parameter-free module whose output,
   computed in full on every rank, is read by every local head: its gradient is summed

@@ -33,7 +33,7 @@ NORM_EPS = 1e-5
 ROPE_THETA = 10000.0
 """RoPE base. Llama 3 uses 500000; the base changes no shape, FLOP or byte, so one value serves."""
 
-TP_STYLES = ("colwise", "rowwise", "norm", "embedding", "output", "experts", "head_shared")
+TP_STYLES = ("colwise", "rowwise", "norm", "head_norm", "embedding", "output", "experts", "head_shared")
 """The sharding styles a unit's ``tp_plan()`` may name (see the module docstring of zoo)."""
 
 TPPlan = dict[str, str]
@@ -82,30 +82,34 @@ def make_norm(kind: str, dim: int, eps: float = NORM_EPS) -> nn.Module:
 
 
 class MLP(nn.Module):
-    """Position-wise feed-forward: ``w2(act(w1 x))``, or SwiGLU ``w2(w1 x * silu(w3 x))``.
+    """Position-wise feed-forward: ``w2(act(w1 x))``, or gated: SwiGLU ``w2(w1 x * silu(w3 x))``
+    and GeGLU ``w2(w1 x * gelu(w3 x))``.
 
-    ``w1`` is the up projection and ``w3`` the gate (SwiGLU only); both are colwise under
+    ``w1`` is the up projection and ``w3`` the gate (gated kinds only); both are colwise under
     TP and ``w2`` (down) is rowwise, so the only communication is after ``w2``.
     """
 
     def __init__(self, dim: int, hidden: int, kind: str, bias: bool):
         super().__init__()
         self.kind = kind
+        self.gated = kind in ("swiglu", "geglu")
         self.w1 = nn.Linear(dim, hidden, bias=bias)
-        if kind == "swiglu":
+        if self.gated:
             self.w3 = nn.Linear(dim, hidden, bias=bias)
         self.w2 = nn.Linear(hidden, dim, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kind == "swiglu":
             return self.w2(self.w1(x) * F.silu(self.w3(x)))
+        if self.kind == "geglu":
+            return self.w2(self.w1(x) * F.gelu(self.w3(x), approximate="tanh"))
         if self.kind == "relu":
             return self.w2(F.relu(self.w1(x)))
         return self.w2(F.gelu(self.w1(x), approximate="tanh"))
 
     def tp_plan(self) -> TPPlan:
         plan = {"w1": "colwise", "w2": "rowwise"}
-        if self.kind == "swiglu":
+        if self.gated:
             plan["w3"] = "colwise"
         return plan
 
@@ -115,15 +119,30 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
-def apply_rope(q: torch.Tensor, k: torch.Tensor, theta: float = ROPE_THETA) -> tuple[torch.Tensor, torch.Tensor]:
+class TokenPositions(nn.Module):
+    """The sequence positions of the tokens a unit sees: ``0 .. s-1``.
+
+    A parameter-free module rather than an inline ``arange`` so that a runtime which hands
+    a unit only part of the sequence (context parallelism) can swap in one that returns
+    the global positions of that part; the model code itself stays free of parallelism."""
+
+    def forward(self, seq_len: int, device: torch.device, dtype: torch.dtype = torch.long) -> torch.Tensor:
+        return torch.arange(seq_len, device=device, dtype=dtype)
+
+
+def apply_rope(q: torch.Tensor, k: torch.Tensor, theta: float = ROPE_THETA,
+               positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotary position embedding (Su et al. 2021), half-rotation layout, on [b, heads, s, d].
 
-    cos/sin are computed from positions on every call, on the input's device and dtype,
-    so there is no buffer to materialise and the same code runs on ``meta``.
+    cos/sin are computed from ``positions`` (default ``0 .. s-1``) on every call, on the
+    input's device and dtype, so there is no buffer to materialise and the same code runs
+    on ``meta``.
     """
     s, d = q.shape[-2], q.shape[-1]
+    if positions is None:
+        positions = torch.arange(s, device=q.device, dtype=torch.float32)
     inv_freq = 1.0 / (theta ** (torch.arange(0, d, 2, device=q.device, dtype=torch.float32) / d))
-    angles = torch.outer(torch.arange(s, device=q.device, dtype=torch.float32), inv_freq)
+    angles = torch.outer(positions.to(torch.float32), inv_freq)
     angles = torch.cat((angles, angles), dim=-1)
     cos, sin = angles.cos().to(q.dtype), angles.sin().to(q.dtype)
     return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
@@ -142,16 +161,54 @@ def repeat_kv(k: torch.Tensor, q_heads: int) -> torch.Tensor:
     return k[:, :, None].expand(b, kv_heads, rep, s, d).reshape(b, kv_heads * rep, s, d)
 
 
+def attended_pairs(s: int, causal: bool, window: int, device) -> torch.Tensor | None:
+    """[s, s] boolean mask of the (query, key) pairs attention keeps, or None for all pairs.
+    A causal window of w keeps keys q-w < k <= q (w tokens, the query's own included)."""
+    if not causal:
+        return None
+    q = torch.arange(s, device=device)[:, None]
+    k = torch.arange(s, device=device)[None, :]
+    keep = k <= q
+    if window:
+        keep = keep & (q - k < window)
+    return keep
+
+
+def explicit_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, window: int = 0,
+                       softcap: float = 0.0, scale: float | None = None,
+                       dropout: nn.Module | None = None) -> torch.Tensor:
+    """softmax(cap(scale * q k^T) + mask) v computed step by step (autograd keeps the s x s
+    probabilities): what soft-capped attention needs where no fused kernel offers it."""
+    k, v = repeat_kv(k, q.shape[1]), repeat_kv(v, q.shape[1])
+    s = q.shape[-2]
+    scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    # Scaling q (b*h*s*d elements) instead of the scores (b*h*s*s) is cheaper and saves nothing.
+    scores = (q * scale) @ k.transpose(-2, -1)
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
+    if causal:
+        if window:
+            scores = scores.masked_fill(~attended_pairs(s, causal, window, q.device), float("-inf"))
+        else:
+            future = torch.ones(s, s, dtype=torch.bool, device=q.device).triu(1)
+            scores = scores.masked_fill(future, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    return (dropout(probs) if dropout is not None else probs) @ v
+
+
 class FlashAttentionCore(nn.Module):
     """Fused attention: softmax(q k^T / sqrt(d)) v without materialising the s x s scores.
 
     Takes q [b, heads, s, d] and k, v [b, kv_heads, s, d] (kv_heads divides heads) and
     returns [b, heads, s, d]. Parameter-free: it is what selective recomputation re-runs.
+    A sliding window is passed to SDPA as a mask. Soft-capped scores are computed
+    explicitly: PyTorch's SDPA kernels have no soft-cap (FlashAttention >= 2.6 has, and
+    the planner models that fused kernel, as Gemma 2 is trained with it).
     """
 
-    def __init__(self, causal: bool):
+    def __init__(self, causal: bool, window: int = 0, softcap: float = 0.0, scale: float | None = None):
         super().__init__()
-        self.causal = causal
+        self.causal, self.window, self.softcap, self.scale = causal, window, softcap, scale
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         if q.device.type == "meta":
@@ -163,12 +220,17 @@ class FlashAttentionCore(nn.Module):
             # here and saved repeated: an over-estimate of 2 * (heads - kv_heads) * s * d.)
             k, v = repeat_kv(k, q.shape[1]), repeat_kv(v, q.shape[1])
             return torch.ops.aten._scaled_dot_product_flash_attention(
-                q, k, v, 0.0, self.causal)[0]
+                q, k, v, 0.0, self.causal, scale=self.scale)[0]
+        if self.softcap:
+            return explicit_attention(q, k, v, self.causal, self.window, self.softcap, self.scale)
         # enable_gqa lets the flash kernel read grouped k/v in place (no repeated copies
         # saved). It is passed only when heads differ: the SDPA docs list GQA support for
         # the flash and math kernels only, so the flag would otherwise rule out the others.
-        return F.scaled_dot_product_attention(q, k, v, is_causal=self.causal,
-                                              enable_gqa=q.shape[1] != k.shape[1])
+        gqa = q.shape[1] != k.shape[1]
+        if self.window:
+            mask = attended_pairs(q.shape[-2], self.causal, self.window, q.device)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale, enable_gqa=gqa)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=self.causal, scale=self.scale, enable_gqa=gqa)
 
 
 class MathAttentionCore(nn.Module):
@@ -177,27 +239,23 @@ class MathAttentionCore(nn.Module):
     dropout, the mask and the dropped probabilities), which is the activation memory that
     selective recomputation exists to drop."""
 
-    def __init__(self, causal: bool, dropout: float = 0.0):
+    def __init__(self, causal: bool, window: int = 0, softcap: float = 0.0, scale: float | None = None,
+                 dropout: float = 0.0):
         super().__init__()
-        self.causal = causal
+        self.causal, self.window, self.softcap, self.scale = causal, window, softcap, scale
         self.dropout = nn.Dropout(dropout) if dropout else nn.Identity()
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        k, v = repeat_kv(k, q.shape[1]), repeat_kv(v, q.shape[1])
-        s = q.shape[-2]
-        # Scaling q (b*h*s*d elements) instead of the scores (b*h*s*s) is cheaper and saves nothing.
-        scores = (q * (1.0 / math.sqrt(q.shape[-1]))) @ k.transpose(-2, -1)
-        if self.causal:
-            future = torch.ones(s, s, dtype=torch.bool, device=q.device).triu(1)
-            scores = scores.masked_fill(future, float("-inf"))
-        return self.dropout(torch.softmax(scores, dim=-1)) @ v
+        return explicit_attention(q, k, v, self.causal, self.window, self.softcap, self.scale, self.dropout)
 
 
 class Attention(nn.Module):
     """Multi-head / grouped-query self-attention with separate q, k, v, o projections
-    (separate so that q and k/v of different widths shard independently under TP)."""
+    (separate so that q and k/v of different widths shard independently under TP).
 
-    def __init__(self, cfg: TransformerConfig):
+    ``window`` > 0 restricts this layer to a causal sliding window of that many tokens."""
+
+    def __init__(self, cfg: TransformerConfig, window: int = 0):
         super().__init__()
         self.head_dim = cfg.head_dim  # fixed under TP; head *counts* come from shapes
         self.rope = cfg.position == "rope"
@@ -206,23 +264,43 @@ class Attention(nn.Module):
         self.wk = nn.Linear(cfg.hidden, cfg.kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
         self.wv = nn.Linear(cfg.hidden, cfg.kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
         self.wo = nn.Linear(cfg.heads * cfg.head_dim, cfg.hidden, bias=cfg.bias)
+        self.qk_norm = cfg.qk_norm
+        if cfg.qk_norm == "head":
+            self.q_norm = make_norm(cfg.norm, cfg.head_dim, cfg.norm_eps)
+            self.k_norm = make_norm(cfg.norm, cfg.head_dim, cfg.norm_eps)
+        elif cfg.qk_norm == "full":
+            self.q_norm = make_norm(cfg.norm, cfg.heads * cfg.head_dim, cfg.norm_eps)
+            self.k_norm = make_norm(cfg.norm, cfg.kv_heads * cfg.head_dim, cfg.norm_eps)
+        self.positions = TokenPositions()
         # Fused attention's own dropout keeps no mask (it is regenerated from the RNG state);
         # it is left out here, which changes no shape, FLOP or saved byte.
-        self.core = FlashAttentionCore(cfg.causal) if cfg.attention == "flash" else MathAttentionCore(
-            cfg.causal, cfg.dropout)
+        if cfg.attention == "flash":
+            self.core = FlashAttentionCore(cfg.causal, window, cfg.attn_softcap, cfg.attn_scale)
+        else:
+            self.core = MathAttentionCore(cfg.causal, window, cfg.attn_softcap, cfg.attn_scale, cfg.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, _ = x.shape
-        q = self.wq(x).view(b, s, -1, self.head_dim).transpose(1, 2)
-        k = self.wk(x).view(b, s, -1, self.head_dim).transpose(1, 2)
-        v = self.wv(x).view(b, s, -1, self.head_dim).transpose(1, 2)
+        q, k, v = self.wq(x), self.wk(x), self.wv(x)
+        if self.qk_norm == "full":
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = q.view(b, s, -1, self.head_dim)
+        k = k.view(b, s, -1, self.head_dim)
+        if self.qk_norm == "head":
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
+        v = v.view(b, s, -1, self.head_dim).transpose(1, 2)
         if self.rope:
-            q, k = apply_rope(q, k, self.rope_theta)
+            q, k = apply_rope(q, k, self.rope_theta, self.positions(s, x.device, torch.float32))
         out = self.core(q, k, v)
         return self.wo(out.transpose(1, 2).reshape(b, s, -1))
 
     def tp_plan(self) -> TPPlan:
-        return {"wq": "colwise", "wk": "colwise", "wv": "colwise", "wo": "rowwise"}
+        plan = {"wq": "colwise", "wk": "colwise", "wv": "colwise", "wo": "rowwise"}
+        if self.qk_norm == "head":
+            # One scale vector shared by heads that tensor parallelism spreads over ranks.
+            plan.update({"q_norm": "head_norm", "k_norm": "head_norm"})
+        return plan
 
 
 class TokenEmbedding(nn.Module):
@@ -239,14 +317,19 @@ class TokenEmbedding(nn.Module):
         self.learned_positions = cfg.position == "learned"
         if self.learned_positions:
             self.pos_embeddings = nn.Embedding(cfg.max_positions, cfg.hidden)
+            self.positions = TokenPositions()
+        # Gemma scales embeddings by sqrt(h) (in the compute dtype, as its reference does).
+        self.scale = math.sqrt(cfg.hidden) if cfg.embed_scale else None
         self.post_norm = cfg.arch == "bert"
         if self.post_norm:
             self.norm = make_norm(cfg.norm, cfg.hidden, cfg.norm_eps)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         h = self.tok_embeddings(tokens)
+        if self.scale is not None:
+            h = h * torch.tensor(self.scale, dtype=h.dtype, device=h.device)
         if self.learned_positions:
-            h = h + self.pos_embeddings(torch.arange(tokens.shape[1], device=tokens.device))
+            h = h + self.pos_embeddings(self.positions(tokens.shape[1], tokens.device))
         if self.post_norm:
             h = self.norm(h)
         return h
@@ -261,20 +344,25 @@ class TokenEmbedding(nn.Module):
 class Block(nn.Module):
     """One transformer layer: attention then MLP (or MoE), each with a residual.
 
-    Pre-norm (``x + f(norm(x))``) for gpt/llama/moe; post-norm (``norm(x + f(x))``) for BERT.
+    Norm layouts (``cfg.norm_layout``): 'pre' ``x + f(norm(x))`` (gpt/llama/moe), 'post'
+    ``norm(x + f(x))`` (BERT), 'sandwich' ``x + norm2(f(norm(x)))`` (Gemma 2) and 'output'
+    ``x + norm(f(x))`` (OLMo 2). ``window`` > 0 makes the attention a sliding window.
     Block ``index`` of an moe model is dense when it is among the first ``dense_layers``;
     attention is multi-head latent attention when ``kv_lora_rank`` is set.
     """
 
-    def __init__(self, cfg: TransformerConfig, index: int = 0):
+    def __init__(self, cfg: TransformerConfig, index: int = 0, window: int = 0):
         super().__init__()
         from autoplan.models.zoo.latent_attention import LatentAttention
         from autoplan.models.zoo.moe import MoE
 
-        self.pre_norm = cfg.arch != "bert"
+        self.layout = cfg.norm_layout
         self.attention_norm = make_norm(cfg.norm, cfg.hidden, cfg.norm_eps)
-        self.attention = LatentAttention(cfg) if cfg.kv_lora_rank else Attention(cfg)
+        self.attention = LatentAttention(cfg) if cfg.kv_lora_rank else Attention(cfg, window)
         self.mlp_norm = make_norm(cfg.norm, cfg.hidden, cfg.norm_eps)
+        if self.layout == "sandwich":
+            self.post_attention_norm = make_norm(cfg.norm, cfg.hidden, cfg.norm_eps)
+            self.post_mlp_norm = make_norm(cfg.norm, cfg.hidden, cfg.norm_eps)
         self.is_moe = cfg.arch == "moe" and index >= cfg.dense_layers
         if self.is_moe:
             self.moe = MoE(cfg)
@@ -286,9 +374,15 @@ class Block(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ffn = self.moe if self.is_moe else self.mlp
         drop = self.dropout
-        if self.pre_norm:
+        if self.layout == "pre":
             x = x + drop(self.attention(self.attention_norm(x)))
             return x + drop(ffn(self.mlp_norm(x)))
+        if self.layout == "sandwich":
+            x = x + drop(self.post_attention_norm(self.attention(self.attention_norm(x))))
+            return x + drop(self.post_mlp_norm(ffn(self.mlp_norm(x))))
+        if self.layout == "output":
+            x = x + drop(self.attention_norm(self.attention(x)))
+            return x + drop(self.mlp_norm(ffn(x)))
         x = self.attention_norm(x + drop(self.attention(x)))
         return self.mlp_norm(x + drop(ffn(x)))
 
@@ -296,6 +390,8 @@ class Block(nn.Module):
         ffn_name = "moe" if self.is_moe else "mlp"
         ffn = self.moe if self.is_moe else self.mlp
         plan: TPPlan = {"attention_norm": "norm", "mlp_norm": "norm"}
+        if self.layout == "sandwich":
+            plan.update({"post_attention_norm": "norm", "post_mlp_norm": "norm"})
         plan.update({f"attention.{k}": v for k, v in self.attention.tp_plan().items()})
         plan.update({f"{ffn_name}.{k}": v for k, v in ffn.tp_plan().items()})
         return plan
@@ -316,11 +412,15 @@ class Head(nn.Module):
             self.dense = nn.Linear(cfg.hidden, cfg.hidden, bias=cfg.bias)
         self.norm = make_norm(cfg.norm, cfg.hidden, cfg.norm_eps)
         self.output = nn.Linear(cfg.hidden, cfg.vocab, bias=False)
+        self.softcap = cfg.logit_softcap
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.mlm:
             x = F.gelu(self.dense(x), approximate="tanh")
-        return self.output(self.norm(x))
+        logits = self.output(self.norm(x))
+        if self.softcap:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits
 
     def tp_plan(self) -> TPPlan:
         # BERT's dense h->h transform stays replicated (one h x h matrix per model).
@@ -335,7 +435,7 @@ class TransformerModel(nn.Module):
         cfg = cfg.resolved()
         self.config = cfg
         self.layers = nn.ModuleList(
-            [TokenEmbedding(cfg), *(Block(cfg, i) for i in range(cfg.layers)), Head(cfg)])
+            [TokenEmbedding(cfg), *(Block(cfg, i, cfg.layer_window(i)) for i in range(cfg.layers)), Head(cfg)])
         init_parameters(self)
         self.tie_weights()
 

@@ -1,0 +1,149 @@
+"""The published-run tables: every source builds rows whose plans are valid for their model
+and cluster, and the report's per-source figures are computed from real estimates (the
+figures themselves are the benchmark's business, not asserted here)."""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+
+from autoplan.stacks import get_stack
+from costmodel import estimate
+from benchmarks.published import tables as T
+
+SOURCES = {s.name: s for s in T.SOURCES}
+
+
+@pytest.fixture(scope="module")
+def built() -> dict[str, list]:
+    return {name: s.build() for name, s in SOURCES.items()}
+
+
+@pytest.mark.parametrize("name", list(SOURCES))
+def test_every_entry_is_a_row_or_says_why_not(name, built):
+    entries = built[name]
+    assert entries, f"{name} read no rows"
+    for e in entries:
+        assert isinstance(e, (T.PublishedRow, T.Skipped))
+        assert e.source == name
+        if isinstance(e, T.Skipped):
+            assert len(e.reason) > 10
+        else:
+            assert e.gpus == e.cluster.num_gpus, e.ref
+            assert e.status in ("ok", "OOM", "failed")
+            assert e.status != "ok" or e.measured_time_s or e.measured_tflops or e.recompute_bracket, e.ref
+            get_stack(e.stack)
+
+
+# The first checking row of every source that has one (one model spec each keeps this fast).
+FIRST_ROWS = {
+    "Megatron-LM 2024 H100": 0, "Llama 3 Table 4": 0, "MegaScale 175B": 0, "torchtitan benchmarks": 0,
+    "torchtitan docs/performance": 0, "BLOOM 176B run": 0, "BLOOM topology sweep": 0, "Narayanan 2021 T2": 0,
+    "MT-NLG 530B (secondary)": 0, "AMP GPT-2 trials": 0,
+}
+
+
+@pytest.mark.parametrize("name", list(FIRST_ROWS))
+def test_builders_produce_valid_plans(name, built):
+    row = [e for e in built[name] if isinstance(e, T.PublishedRow)][FIRST_ROWS[name]]
+    model = T.model_for(row, get_stack(row.stack))
+    candidates = T.candidate_plans(row, model)
+    assert candidates, f"no plan for {row.ref}"
+    for choice, plans in candidates:
+        for plan in plans:
+            plan.validate(model, row.cluster)
+            assert (plan.tp, plan.pp, plan.dp) == (row.tp, row.pp, row.dp)
+            assert plan.global_batch == row.global_batch
+            assert plan.num_gpus == row.gpus
+            if row.micro_batch:
+                assert plan.micro_batch == row.micro_batch
+            if row.split:
+                assert [s.start for s in plan.stages] + [plan.stages[-1].end] == list(row.split)
+
+
+SKIPPED_ONLY = ["Megatron-LM Llama3 FP8 example", "Megatron-Bridge DGX-H100", "DeepSpeed Azure ZeRO-3 (low confidence)"]
+
+
+@pytest.mark.parametrize("name", SKIPPED_ONLY)
+def test_unmodellable_sources_are_listed_not_guessed(name, built):
+    assert all(isinstance(e, T.Skipped) for e in built[name])
+
+
+def test_amp_partition_maps_to_zoo_units():
+    # 30 DeepSpeed layer specs (embedding, no-op, 24 blocks, no-op, norm, head, loss) onto
+    # 26 zoo units (embedding, 24 blocks, head).
+    assert T.amp_split("[0, 30]", 1) == (0, 26)
+    assert T.amp_split("[0, 15, 30]", 2) == (0, 14, 26)
+    assert T.amp_split("[0, 1, 3, 30]", 3) == (0, 1, 2, 26)
+    assert T.amp_split("[0, 1, 2, 30]", 3) is None      # a stage of one no-op spec
+
+
+def test_megatron_pads_the_vocabulary_per_tensor_parallel_degree():
+    assert [T.megatron_vocab(50257, tp) for tp in (1, 2, 4)] == [50304, 50432, 50688]
+
+
+def _pick(built, name, predicate):
+    return next(e for e in built[name] if isinstance(e, T.PublishedRow) and predicate(e))
+
+
+def test_report_figures_are_computed(built):
+    rows = [
+        _pick(built, "AMP GPT-2 trials", lambda r: r.status == "ok" and r.tp == 1 and r.pp == 1),
+        _pick(built, "AMP GPT-2 trials", lambda r: r.status == "failed" and r.tp == 1 and r.pp == 1),
+        _pick(built, "BLOOM topology sweep", lambda r: r.measured_peak_GiB is not None and r.pp > 1),
+        _pick(built, "BLOOM topology sweep", lambda r: r.status == "OOM"),
+        _pick(built, "torchtitan benchmarks", lambda r: r.recompute_bracket and r.measured_peak_GiB is not None),
+        *[e for e in built["Megatron-Bridge DGX-H100"][:2]],
+    ]
+    rep = T.evaluate(rows)
+    assert len(rep.results) == 4 and len(rep.brackets) == 1 and len(rep.skipped) == 2
+
+    assert rep.groups("AMP GPT-2 trials") == ["16 x T4"] and rep.groups("torchtitan benchmarks") == []
+    amp = rep.stats("AMP GPT-2 trials")
+    assert amp.rows == 2 and len(amp.time_errors) == 1 and amp.failed_rows == 1
+    assert math.isfinite(amp.time_mape) and amp.time_mape == abs(amp.time_signed)
+    assert amp.outcomes == 1                       # 'failed' is not a clean outcome
+    bloom = rep.stats("BLOOM topology sweep")
+    assert bloom.oom_rows == 1 and bloom.outcomes == 2 and 0 <= bloom.agree <= 2
+    assert len(bloom.memory_errors) == 1 and math.isfinite(bloom.memory_mape)
+    titan = rep.stats("torchtitan benchmarks")
+    assert titan.brackets == 1 and titan.bracket_peak_within[1] == 1 and titan.bracket_time_within[1] == 1
+    b = rep.brackets[0]
+    assert b.lean.plan.recompute == "full" and b.rich.plan.recompute == "none"
+    assert b.peak_bounds[0] < b.peak_bounds[1] and b.time_bounds[0] < b.time_bounds[1]
+    assert rep.stats("Megatron-Bridge DGX-H100").skipped == 2
+
+    by_stack = rep.time_errors_by_stack()
+    assert set(by_stack) == {"megatron-deepspeed"} and len(by_stack["megatron-deepspeed"]) == 2
+    summary = rep.summary_lines()
+    assert len([line for line in summary if line.startswith("- AMP GPT-2 trials:")]) == 1
+    section = "\n".join(rep.section_lines())
+    for r in rows:
+        assert r.ref in section
+    assert "Bracketed rows" in section and "Not checking rows" in section
+
+
+def test_open_choices_take_the_fastest_fitting_plan(built):
+    # An AMP trial with its micro-batch and recompute mode left open, as a source might.
+    given = _pick(built, "AMP GPT-2 trials", lambda r: r.status == "ok" and r.tp == 1 and r.pp == 1)
+    row = dataclasses.replace(given, micro_batch=None, recompute=None)
+    res = T.evaluate_row(row)
+    assert set(res.chosen) == {"micro_batch", "recompute"}
+    model = T.model_for(row, get_stack(row.stack))
+    fitting = []
+    for _, plans in T.candidate_plans(row, model):
+        assert [p.recompute for p in plans] == list(T.RECOMPUTE_ORDER)
+        for plan in plans:
+            est = estimate(model, row.cluster, plan, stack=row.stack)
+            if est.fits:
+                fitting.append(est.iteration_time_s)
+    assert fitting and res.est.fits and res.est.iteration_time_s == pytest.approx(min(fitting))
+
+
+def test_amp_layer_check_compares_like_with_like():
+    checks = T.amp_layer_checks()
+    assert {(c.device, c.tp) for c in checks} == {(d, tp) for d in ("T4-16GB", "V100-SXM2-16GB") for tp in (1, 2, 4)}
+    for c in checks:
+        assert c.layers == 24 and c.measured_ms > 0 and c.predicted_ms > 0
+        assert (c.predicted_tp_ms == 0) == (c.tp == 1)
