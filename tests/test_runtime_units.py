@@ -57,6 +57,7 @@ REFUSED = {
     "sequence-parallel-swin": (make_plan(tp=2, sp=True, bounds=((0, 10),)), "swin-tiny-test", "sequence_parallel"),
     "experts-on-a-dense-model": (make_plan(dp=2, ep=2), "gpt-tiny", "ep"),
     "ep-not-dividing-experts": (dataclasses.replace(make_plan(dp=3, m=1), ep=3), "moe-tiny", "ep"),
+    "context-parallel-experts": (make_plan(cp=2, ep=2), "moe-tiny", "cp"),
 }
 
 
