@@ -796,6 +796,13 @@ def write_report(results: Sequence[ScenarioResult], out_dir: str | Path, measure
     return path
 
 
+def _clip(text: str, limit: int) -> str:
+    """``text`` cut at the last word boundary within ``limit`` characters, marked with an ellipsis."""
+    if len(text) <= limit:
+        return text
+    return text[:limit].rsplit(" ", 1)[0] + " …"
+
+
 def _targets_section(results: Sequence[ScenarioResult]) -> list[str]:
     """Per scenario and engine: the plan ``search --for ENGINE`` finds against that engine's hand rule."""
     if not any(res.targets for res in results):
@@ -809,7 +816,7 @@ def _targets_section(results: Sequence[ScenarioResult]) -> list[str]:
     for res in results:
         for engine, searched, base, title in res.targets:
             plan = f"`{searched.plan.describe()}` ({searched.plan.dtype})" if searched.plan \
-                else f"no plan ({(searched.error or '')[:80]})"
+                else f"no plan ({_clip(searched.error or '', 120)})"
             speed = (f"{base.time / searched.time:.2f}x" if searched.fits and base.fits else
                      "rule does not fit" if searched.fits else "–")
             if base.estimate is None:
