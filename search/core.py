@@ -133,6 +133,18 @@ class _Search:
         n = self.cluster.num_gpus
         return [d for d in divisors(self.gb) if d <= n and (self.c.dp is None or d in self.c.dp)]
 
+    def ep_options(self, shards: int) -> list[int]:
+        """Expert-parallel degrees over ``shards`` = dp x cp ranks: divisors of it that divide
+        the model's experts (just 1 for a dense model)."""
+        experts = self.model.num_experts
+        return [e for e in divisors(shards) if (e == 1 or (experts and experts % e == 0))
+                and (self.c.ep is None or e in self.c.ep)]
+
+    def with_ep(self, sk: Skeleton) -> list[Skeleton]:
+        """The skeleton under every expert-parallel degree its data parallelism allows."""
+        return [Skeleton(groups=sk.groups, kinds=tuple(replace(k, ep=e) for k in sk.kinds))
+                for e in self.ep_options(sk.shards)]
+
     def cp_options(self, tp: int) -> list[tuple[int, str]]:
         """(cp, exchange) pairs for replicas of tensor-parallel degree ``tp``: cp = 1, and
         each degree the sequence splits into (2*cp zig-zag chunks for the ring exchanges on
@@ -255,7 +267,7 @@ class _Search:
                         per = tp * cp * dp
                         groups = tuple(DeviceGroup(ranks=tuple(range(p * per, (p + 1) * per)), tp=tp, cp=cp)
                                        for p in range(pp))
-                        out.append(Skeleton(groups=groups, kinds=(Kind(0, tp, cp, comm),) * pp))
+                        out += self.with_ep(Skeleton(groups=groups, kinds=(Kind(0, tp, cp, comm),) * pp))
         return out
 
     def heterogeneous_skeletons(self, pstats: PlacementStats) -> list[Skeleton]:
@@ -337,8 +349,8 @@ class _Search:
             for sk in found:
                 if self.c.pp is not None and sk.pp not in self.c.pp:
                     continue
-                key = (sk.groups, sk.kinds)
-                seen.setdefault(key, sk)
+                for variant in self.with_ep(sk):
+                    seen.setdefault((variant.groups, variant.kinds), variant)
         return list(seen.values())
 
     # ------------------------------------------------------------- bounds
