@@ -128,6 +128,9 @@ def all_bf16(cluster: "Cluster") -> bool:
 
 TORCHTITAN_PRESETS = {"llama3-8b": ("llama3", "8B"), "llama3-70b": ("llama3", "70B"),
                       "llama3-405b": ("llama3", "405B")}
+TORCHTITAN_PRESETS.update({   # mixtures of experts with a config function in torchtitan's registry
+    "qwen3-30b-a3b": ("qwen3", "30B-A3B"), "deepseek-v2-lite": ("deepseek_v3", "16B"),
+    "deepseek-v3": ("deepseek_v3", "671B")})
 """Zoo presets torchtitan ships (module/name, flavor), checked against its model registry."""
 
 ENGINES: dict[str, Engine] = {e.name: e for e in (
@@ -274,6 +277,9 @@ def violation(plan: Plan, engine: "Engine | str", model: "ModelSpec | None" = No
         err = _model_violation(plan, e, model)
         if err is not None:
             return err
+    err = _expert_violation(plan, e, model)
+    if err is not None:
+        return err
     if pp > 1 and e.split == "uniform-units":
         want = partition_uniform(plan.stages[-1].end, pp)
         have = [0] + [s.end for s in plan.stages]
@@ -300,6 +306,46 @@ def _model_violation(plan: Plan, e: Engine, model: "ModelSpec") -> ConfigError |
     if e.name == "megatron" and cfg.arch == "bert" and plan.pp > 1 and not megatron_default_split(plan, model):
         return ConfigError("stages", f"{e.title}'s pipeline layout flag does not cover BERT's encoder, which it "
                            "splits evenly", "nearest: the same plan with the blocks split evenly")
+    return None
+
+
+def _expert_violation(plan: Plan, e: Engine, model: "ModelSpec | None") -> ConfigError | None:
+    """Expert parallelism (and mixture-of-experts layers) an engine cannot run as planned."""
+    cfg = model.config if model is not None else None
+    moe = getattr(cfg, "arch", "") == "moe"
+    if e.name == "megatron" and plan.ep > 1 and plan.zero == 3:
+        # arguments.py:1036-1037: --use-torch-fsdp2 with expert parallelism is refused.
+        return ConfigError("zero", f"{e.title}'s ZeRO-3 (torch FSDP2) does not run with expert parallelism",
+                           "nearest: zero=1 (distributed optimizer)")
+    if e.name == "megatron" and plan.ep > 1 and plan.tp > 1 and not plan.sequence_parallel:
+        # megatron/core/model_parallel_config.py:560-564: "When using expert parallelism and tensor
+        # parallelism for training, sequence parallelism must be used" (its MoE token dispatcher
+        # takes the sequence-split activations).
+        return ConfigError("sequence_parallel", f"{e.title} needs sequence parallelism with expert and tensor "
+                           "parallelism together", "nearest: the same plan with sequence_parallel=true")
+    if e.name == "torchtitan" and plan.ep > 1:
+        # torchtitan draws EP ranks from FSDP's shard dimension and from TP (efsdp = dp_shard
+        # x cp x tp / ep, experts not TP-sharded): autoplan's layout only with tp = 1 and sharding.
+        if plan.tp > 1:
+            return ConfigError("ep", f"{e.title}'s expert parallelism (ep={plan.ep}) takes in the tensor-parallel "
+                               "ranks and leaves experts unsharded by them, while the plan shards every expert "
+                               f"over tp={plan.tp} inside each expert-parallel rank",
+                               "nearest: the same plan with tp=1, or export --to megatron")
+        if plan.zero == 0:
+            return ConfigError("zero", f"{e.title} draws expert-parallel ranks from FSDP's shard dimension, which "
+                               "ZeRO-0 (replicated data parallelism) leaves at 1", "nearest: zero=3 (FSDP2)")
+    if e.name == "deepspeed" and (moe or plan.ep > 1):
+        if plan.zero == 3:
+            # deepspeed/runtime/engine.py: native MoE is refused under ZeRO stage 3.
+            return ConfigError("zero", f"{e.title}'s native MoE does not run under ZeRO-3",
+                               "nearest: zero=2, or export --to megatron / torchtitan")
+        if cfg is None:
+            return ConfigError("model", "an expert-parallel plan needs the model's experts for DeepSpeed-MoE",
+                               "pass --model")
+        if cfg.shared_ffn_hidden or cfg.kv_lora_rank:
+            return ConfigError("model", f"{model.name} has shared experts or latent attention, which DeepSpeed's "
+                               "MoE layer (routed experts, optionally a residual one) does not build",
+                               "export --to megatron or torchtitan")
     return None
 
 

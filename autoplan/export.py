@@ -200,6 +200,7 @@ def megatron_args(plan: Plan, model: "ModelSpec | None" = None) -> tuple[list[st
                      "which holds less activation memory than the plan's GPipe order")
 
     argv: list[str] = ["--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp)]
+    argv += _megatron_expert_parallel_args(plan, model, tp)
     if pp > 1:
         units = _stage_units(plan, model)
         if megatron_default_split(plan, model):
@@ -293,12 +294,58 @@ def _megatron_model_args(plan: Plan, model: "ModelSpec", notes: list[str]) -> li
     # The model's own dropout (Megatron-LM's default is 0.1; Llama and Mixtral train without).
     out += ["--attention-dropout", repr(float(cfg.dropout)), "--hidden-dropout", repr(float(cfg.dropout))]
     if cfg.arch == "moe":
-        out += ["--num-experts", str(cfg.num_experts), "--moe-router-topk", str(cfg.top_k),
-                "--moe-ffn-hidden-size", str(cfg.ffn_hidden)]
+        out += _megatron_moe_args(cfg, notes)
+    if cfg.kv_lora_rank:
+        out += _megatron_latent_attention_args(cfg)
     script = "pretrain_bert.py" if cfg.arch == "bert" else "pretrain_gpt.py"
     notes.append(f"model {model.name}: run Megatron-LM's {script}; --vocab-size {cfg.vocab} is read by "
                  "tokenizers without a vocabulary file (e.g. --tokenizer-type NullTokenizer), others bring "
                  "their own")
+    return out
+
+
+def _megatron_expert_parallel_args(plan: Plan, model: "ModelSpec | None", tp: int) -> list[str]:
+    """Megatron-Core folds expert parallelism into data parallelism like autoplan; experts are
+    tensor-parallel with the plan's tp (expert-tensor-parallel = tp, Megatron's default, made
+    explicit)."""
+    if plan.ep == 1 and (model is None or not model.num_experts):
+        return []
+    out = ["--expert-model-parallel-size", str(plan.ep)]
+    if tp > 1:
+        out += ["--expert-tensor-parallel-size", str(tp)]
+    return out
+
+
+def _megatron_moe_args(cfg, notes: list[str]) -> list[str]:
+    """The routed and shared experts, top-k routing and its load-balancing loss, as the zoo
+    builds them: grouped expert GEMMs and all-to-all token dispatch, which is what the cost
+    model times."""
+    out = ["--num-experts", str(cfg.num_experts), "--moe-router-topk", str(cfg.top_k),
+           "--moe-ffn-hidden-size", str(cfg.moe_ffn_hidden), "--moe-grouped-gemm",
+           "--moe-token-dispatcher-type", "alltoall",
+           "--moe-router-load-balancing-type", "aux_loss", "--moe-aux-loss-coeff", repr(float(cfg.aux_loss_coeff))]
+    if cfg.shared_ffn_hidden:
+        out += ["--moe-shared-expert-intermediate-size", str(cfg.shared_ffn_hidden)]
+    if cfg.dense_layers:
+        out += ["--moe-layer-freq", f"([0]*{cfg.dense_layers}+[1]*{cfg.layers - cfg.dense_layers})"]
+    if not cfg.normalize_top_k:
+        # Megatron-Core's default softmax runs over the top-k logits (renormalised weights);
+        # pre-softmax takes the top k of the softmax over all experts, as the model does.
+        out.append("--moe-router-pre-softmax")
+    if cfg.capacity_factor is not None:
+        out += ["--moe-expert-capacity-factor", repr(float(cfg.capacity_factor)), "--moe-pad-expert-input-to-capacity"]
+    notes.append("the load-balancing loss is exported per micro-batch (aux_loss); a run with autoplan's "
+                 "global-batch loss (run --load-balancing global) corresponds to "
+                 "--moe-router-load-balancing-type global_aux_loss, which Megatron-Core averages over the "
+                 "micro-batches forwarded so far")
+    return out
+
+
+def _megatron_latent_attention_args(cfg) -> list[str]:
+    out = ["--multi-latent-attention", "--kv-lora-rank", str(cfg.kv_lora_rank), "--qk-head-dim", str(cfg.head_dim),
+           "--qk-pos-emb-head-dim", str(cfg.rope_head_dim), "--v-head-dim", str(cfg.v_head_dim)]
+    if cfg.q_lora_rank:
+        out += ["--q-lora-rank", str(cfg.q_lora_rank)]
     return out
 
 
@@ -377,12 +424,31 @@ def deepspeed_config(plan: Plan, model: "ModelSpec | None" = None) -> tuple[dict
     if recompute == "full":
         explain.append("activation checkpointing: wrap every layer with deepspeed.checkpointing.checkpoint "
                        "(or set PipelineModule's activation_checkpoint_interval=1)")
+    moe = _deepspeed_moe(plan, model)
+    if moe is not None:
+        cfg["autoplan_moe"] = moe
+        explain.append(f"experts (not a config key): build each MoE layer as deepspeed.moe.layer.MoE("
+                       f"hidden_size, expert, num_experts={moe['num_experts']}, ep_size={moe['ep_size']}, "
+                       f"k={moe['k']}, capacity_factor={moe['capacity_factor']}, drop_tokens={moe['drop_tokens']})"
+                       " and the optimizer's parameter groups with deepspeed.moe.utils."
+                       "split_params_into_different_moe_groups_for_optimizer")
     note = _placement_note(plan, name)
     if note:
         notes.append(note)
     # DeepSpeed ignores top-level keys it does not know, so the explanation travels with the file.
     cfg["comment"] = "; ".join(explain + notes)
     return cfg, notes
+
+
+def _deepspeed_moe(plan: Plan, model: "ModelSpec | None") -> dict | None:
+    """DeepSpeed-MoE layer settings of the plan's experts (they go to the model code), or None
+    for a dense model (what DeepSpeed-MoE cannot build is refused by autoplan.engines)."""
+    cfg = model.config if model is not None else None
+    if cfg is None or getattr(cfg, "arch", "") != "moe":
+        return None
+    return {"num_experts": cfg.num_experts, "ep_size": plan.ep, "k": cfg.top_k,
+            "capacity_factor": cfg.capacity_factor if cfg.capacity_factor is not None else 1.0,
+            "drop_tokens": cfg.capacity_factor is not None}
 
 
 def to_deepspeed(plan: Plan, model: "ModelSpec | None" = None, cluster: "Cluster | None" = None,
@@ -419,6 +485,10 @@ def torchtitan_settings(plan: Plan, model: "ModelSpec | None" = None, version: s
     parallel["tensor_parallel_degree"] = tp
     if tp > 1 and engine.sequence_parallel_without:
         parallel["enable_sequence_parallel"] = plan.sequence_parallel
+    if plan.ep > 1:
+        # The experts over ep of the FSDP-sharded ranks (autoplan.engines refuses the plans
+        # where torchtitan's expert parallelism would mean another layout).
+        parallel["expert_parallel_degree"] = plan.ep
     if plan.cp > 1:
         parallel["context_parallel_degree"] = plan.cp
         if len(engine.cp_comms) > 1:
@@ -530,7 +600,7 @@ def to_torchtitan_python(plan: Plan, model: "ModelSpec | None" = None, cluster: 
         lines.append("from torchtitan.distributed.activation_checkpoint import SelectiveAC")
     if preset is not None:
         module, flavor = preset
-        base = f"{module}_{flavor.lower()}"
+        base = f"{module}_{flavor.lower().replace('-', '_')}"
         lines.append(f"from torchtitan.models.{module}.config_registry import {base}")
     lines += ["", "", "def apply_autoplan(config):", '    """The plan\'s settings on ``config`` (a Trainer.Config)."""']
     lines.append("    config.parallelism = ParallelismConfig(")

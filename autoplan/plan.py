@@ -6,7 +6,9 @@ context-parallel ranks that split each sequence, then data replicas. The model's
 units are cut into ``pp * virtual_stages`` contiguous *stages*; stage ``s`` runs on
 group ``s % pp`` (interleaved schedules loop over the groups ``virtual_stages`` times).
 Data-parallel degree is the same for every group, so every micro-batch passes every
-stage once; tensor-parallel degree may differ per group (heterogeneous clusters).
+stage once; tensor-parallel degree may differ per group (heterogeneous clusters). A
+mixture-of-experts model's experts are split over ``ep`` of each group's data-parallel x
+context-parallel ranks.
 """
 from __future__ import annotations
 
@@ -27,7 +29,8 @@ if TYPE_CHECKING:
     from autoplan.models.spec import ModelSpec
 
 SCHEMA_VERSION = 2
-"""2 added context parallelism (``groups[i].cp``, ``cp_comm``); version 1 files still load."""
+"""Version 2 added context parallelism (``groups[i].cp``, ``cp_comm``) and expert parallelism
+(``ep``); version 1 files are read with the missing degrees = 1."""
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble")
 CP_COMMS = ("p2p", "all_gather", "a2a")
 """How context-parallel attention exchanges the sequence (Megatron-Core's ``--cp-comm-type``
@@ -74,6 +77,22 @@ class DeviceGroup:
         folds context parallelism into data parallelism for the weights)."""
         return [self.ranks[t::self.tp] for t in range(self.tp)]
 
+    def ep_groups(self, ep: int) -> list[tuple[int, ...]]:
+        """Expert-parallel groups of degree ``ep``: for every tensor shard, the group's
+        data-parallel (x context-parallel) ranks in runs of ``ep`` consecutive ones, as
+        Megatron-Core folds expert parallelism into data parallelism. Each group holds all
+        experts between its members and exchanges tokens by all-to-all."""
+        n = len(self.ranks) // self.tp
+        return [tuple(self.ranks[j * self.tp + t] for j in range(e * ep, (e + 1) * ep))
+                for t in range(self.tp) for e in range(n // ep)]
+
+    def expert_dp_groups(self, ep: int) -> list[tuple[int, ...]]:
+        """The ranks holding the same experts (one per expert-parallel group): what expert
+        gradients are reduced over, and what ZeRO shards expert states over."""
+        n = len(self.ranks) // self.tp
+        return [tuple(self.ranks[(e * ep + i) * self.tp + t] for e in range(n // ep))
+                for t in range(self.tp) for i in range(ep)]
+
 
 @dataclass(frozen=True)
 class Stage:
@@ -114,6 +133,11 @@ class Plan:
     zero: int = 0
     """ZeRO stage 0-3 over the data-parallel group (1: optimizer states, 2: + gradients,
     3: + parameters sharded)."""
+    ep: int = 1
+    """Expert-parallel degree: each routed-expert layer's experts are split over ``ep`` ranks
+    drawn from a group's data-parallel (x context-parallel) ranks, which exchange tokens by
+    all-to-all (see :meth:`DeviceGroup.ep_groups`); expert states are ZeRO-sharded over the
+    remaining dp x cp / ep ranks that hold the same experts."""
     dtype: str = "bf16"
     """Compute dtype (mixed precision with fp32 master weights and Adam states)."""
     model: str = ""
@@ -167,12 +191,13 @@ class Plan:
         tp = str(tps[0]) if len(tps) == 1 else "/".join(str(g.tp) for g in self.groups)
         split = ",".join(str(s.num_layers) for s in self.stages)
         v = f" v={self.virtual_stages}" if self.virtual_stages > 1 else ""
+        ep = f" ep={self.ep}" if self.ep > 1 else ""
         cp = f" cp={self.cp}({self.cp_comm})" if self.cp > 1 else ""
         ops = ""
         if self.layouts is not None:
             cs = max((u.coshard for u in self.layouts.units), default=1)
             ops = " op-layouts" + (f" coshard={cs}" if cs > 1 else "") + (" interlaced" if self.layouts.interlaced else "")
-        return (f"dp={self.dp} tp={tp} pp={self.pp}{cp}{v} mb={self.micro_batch}x{self.num_micro_batches} "
+        return (f"dp={self.dp} tp={tp} pp={self.pp}{cp}{v}{ep} mb={self.micro_batch}x{self.num_micro_batches} "
                 f"{self.schedule} zero={self.zero} recompute={self.recompute}"
                 f"{' sp' if self.sequence_parallel else ''}{ops} split=[{split}]")
 
@@ -181,12 +206,13 @@ class Plan:
     def uniform(cls, model: "ModelSpec", cluster: "Cluster", *, tp: int, pp: int, dp: int,
                 micro_batch: int, global_batch: int, schedule: str = "1f1b", virtual_stages: int = 1,
                 recompute: str = "none", sequence_parallel: bool = False, zero: int = 0,
-                dtype: str = "bf16", first_rank: int = 0, cp: int = 1, cp_comm: str = "p2p") -> "Plan":
+                dtype: str = "bf16", first_rank: int = 0, cp: int = 1, cp_comm: str = "p2p",
+                ep: int = 1) -> "Plan":
         """Megatron-style plan: ranks in order (tensor-parallel fastest, then context, then
         data, then pipeline), transformer blocks split evenly, embedding on the first stage
         and the head on the last."""
         for name, v in (("tp", tp), ("cp", cp), ("pp", pp), ("dp", dp), ("micro_batch", micro_batch),
-                        ("global_batch", global_batch), ("virtual_stages", virtual_stages)):
+                        ("global_batch", global_batch), ("virtual_stages", virtual_stages), ("ep", ep)):
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ConfigError(name, f"must be a positive integer, got {v!r}")
         if global_batch % (micro_batch * dp):
@@ -203,7 +229,7 @@ class Plan:
         plan = cls(groups=groups, stages=stages, micro_batch=micro_batch,
                    num_micro_batches=global_batch // (micro_batch * dp), schedule=schedule,
                    virtual_stages=virtual_stages, sequence_parallel=sequence_parallel, zero=zero,
-                   dtype=dtype, model=model.name, seq_len=model.seq_len, cp_comm=cp_comm)
+                   dtype=dtype, model=model.name, seq_len=model.seq_len, cp_comm=cp_comm, ep=ep)
         plan.validate(model, cluster)
         return plan
 
@@ -236,6 +262,8 @@ class Plan:
             raise ConfigError("num_micro_batches", f"pp x virtual_stages x num_micro_batches = {slots:,} pipeline "
                               f"slots, at most {MAX_SCHEDULE_SLOTS:,} are supported",
                               "use larger micro-batches or fewer pipeline stages")
+        if not isinstance(self.ep, int) or isinstance(self.ep, bool) or not 1 <= self.ep <= MAX_GPUS:
+            raise ConfigError("ep", f"must be an integer in 1..{MAX_GPUS:,}, got {self.ep!r}")
         if self.cp_comm not in CP_COMMS:
             raise ConfigError("cp_comm", f"{self.cp_comm!r} is not one of {list(CP_COMMS)}")
         if self.virtual_stages > 1 and self.schedule != "interleaved-1f1b":
@@ -254,6 +282,10 @@ class Plan:
             if g.cp != self.groups[0].cp:
                 raise ConfigError(f"{where}.cp", f"context-parallel degree {g.cp} differs from group 0's "
                                   f"{self.groups[0].cp}", "every pipeline rank splits the sequence alike")
+            if (len(g.ranks) // g.tp) % self.ep:
+                raise ConfigError("ep", f"{self.ep} does not divide the {len(g.ranks) // g.tp} data-parallel x "
+                                  f"context-parallel ranks of groups[{i}]", "experts are split over the "
+                                  "data-parallel x context-parallel ranks: pick an ep that divides dp x cp")
             if g.dp != self.groups[0].dp:
                 raise ConfigError(f"{where}.ranks", f"data-parallel degree {g.dp} differs from group 0's "
                                   f"{self.groups[0].dp}", "every pipeline rank needs the same dp")
@@ -296,6 +328,12 @@ class Plan:
             if prev_end != model.num_layers:
                 raise ConfigError(f"stages[{len(self.stages) - 1}].end", f"is {prev_end}, but the model has "
                                   f"{model.num_layers} units: every unit needs a stage")
+            if self.ep > 1 and not model.num_experts:
+                raise ConfigError("ep", f"is {self.ep}, but {model.name} has no routed experts",
+                                  "set ep to 1")
+            if model.num_experts % self.ep:
+                raise ConfigError("ep", f"{self.ep} does not divide the model's {model.num_experts} experts",
+                                  "pick an ep that divides the expert count")
             allowed = model.tp_degrees(max(g.tp for g in self.groups))
             for i, g in enumerate(self.groups):
                 if g.tp not in allowed:
@@ -338,7 +376,7 @@ class Plan:
             "dtype": self.dtype, "schedule": self.schedule, "virtual_stages": self.virtual_stages,
             "micro_batch": self.micro_batch, "num_micro_batches": self.num_micro_batches,
             "global_batch": self.global_batch, "sequence_parallel": self.sequence_parallel,
-            "zero": self.zero,
+            "zero": self.zero, "ep": self.ep,
             **({"cp_comm": self.cp_comm} if self.cp > 1 else {}),
             "groups": [{"ranks": list(g.ranks), "tp": g.tp, **({"cp": g.cp} if g.cp > 1 else {})}
                        for g in self.groups],
@@ -351,7 +389,7 @@ class Plan:
         r = FieldReader(data, where)
         r.reject_unknown(("schema_version", "model", "seq_len", "dtype", "schedule", "virtual_stages",
                           "micro_batch", "num_micro_batches", "global_batch", "sequence_parallel",
-                          "zero", "groups", "stages", "estimate", "layouts", "cp_comm"))
+                          "zero", "groups", "stages", "estimate", "layouts", "cp_comm", "ep"))
         version = r.int("schema_version", minimum=1)
         if version > SCHEMA_VERSION:
             raise ConfigError(r.path("schema_version"), f"{version} is newer than this autoplan "
@@ -380,6 +418,7 @@ class Plan:
                    sequence_parallel=r.bool("sequence_parallel", False),
                    zero=r.int("zero", 0, minimum=0, maximum=3),
                    dtype=r.str("dtype", "bf16", choices=("bf16", "fp16", "fp32")),
+                   ep=r.int("ep", 1, minimum=1, maximum=MAX_GPUS),
                    model=r.str("model", ""), seq_len=r.int("seq_len", 0, minimum=0, maximum=MAX_SEQ_LEN),
                    layouts=Layouts.from_dict(r.raw("layouts"), r.path("layouts")) if r.has("layouts") else None,
                    cp_comm=r.str("cp_comm", "p2p", choices=CP_COMMS))

@@ -4,7 +4,8 @@ the actual ranks of a group.
 A ring visits every member once, so it runs at the slowest link it crosses; a group
 that spans nodes is reduced hierarchically (reduce-scatter inside each node, the
 network phase among nodes on 1/k of the data per GPU, all-gather inside the node), as
-NCCL's tree/ring algorithms effectively do on rail-optimized clusters.
+NCCL's tree/ring algorithms effectively do on rail-optimized clusters. An all-to-all
+(mixture-of-experts dispatch) sends each peer its share over the link between the two.
 """
 from __future__ import annotations
 
@@ -33,8 +34,7 @@ def collective_time(cluster: Cluster, ranks: Sequence[int], nbytes: float, kind:
     per_node = Counter(cluster.slots[r].node for r in ranks)
     nodes = len(per_node)
     if kind == "all_to_all":
-        link = cluster.slowest_link(ranks)
-        return (n - 1) * link.latency + (n - 1) / n * nbytes / (link.bandwidth * eff)
+        return _all_to_all_time(cluster, ranks, nbytes, eff, per_node)
     if nodes == 1:
         link = cluster.slowest_link(ranks)
         return factor * ((n - 1) * link.latency + (n - 1) / n * nbytes / (link.bandwidth * eff))
@@ -50,6 +50,37 @@ def collective_time(cluster: Cluster, ranks: Sequence[int], nbytes: float, kind:
                     key=lambda l: l.bandwidth)
         t += factor * ((k - 1) * intra.latency + (k - 1) / k * nbytes / (intra.bandwidth * eff))
     return t
+
+
+def _all_to_all_time(cluster: Cluster, ranks: Sequence[int], nbytes: float, eff: float,
+                     per_node: Counter) -> float:
+    """Every rank sends nbytes / n to each other member: to the peers on its own node over
+    the intra-node link, to the rest through its NIC at the bandwidth of each destination's
+    link, both at once (NVLink and the network are separate paths). The slowest rank bounds
+    the exchange. Ranks of one node group on one node cost the same, so one of each is timed."""
+    n = len(ranks)
+    share = nbytes / n
+    rep: dict[int, int] = {}
+    for r in ranks:
+        rep.setdefault(cluster.slots[r].node, r)
+    worst = 0.0
+    timed: set[tuple[int, int]] = set()
+    for r in ranks:
+        slot = cluster.slots[r]
+        if (slot.node, slot.group) in timed:
+            continue
+        timed.add((slot.node, slot.group))
+        local = per_node[slot.node] - 1
+        t_local = t_remote = 0.0
+        if local:
+            link = cluster.groups[slot.group].intra_node
+            t_local = local * (link.latency + share / (link.bandwidth * eff))
+        for node, count in per_node.items():
+            if node != slot.node:
+                link = cluster.link(r, rep[node])
+                t_remote += count * (link.latency + share / (link.bandwidth * eff))
+        worst = max(worst, t_local, t_remote)
+    return worst
 
 
 def p2p_time(cluster: Cluster, src: Sequence[Sequence[int]], dst: Sequence[Sequence[int]],

@@ -75,30 +75,33 @@ def gemm_time(device: DeviceSpec, eff: Efficiency, m: float, n: float, k: float,
 
 
 def _gemms_time(device, eff, gemms: tuple[Gemm, ...], micro_batch: int, tp: int, dtype: str,
-                select=lambda g: True) -> float:
+                select=lambda g: True, ep: int = 1, load: float = 1.0) -> float:
     total = 0.0
     for g in gemms:
         if select(g):
-            total += gemm_time(device, eff, *g.shape(micro_batch, tp), dtype)
+            total += gemm_time(device, eff, *g.shape(micro_batch, tp, ep, load), dtype)
     return total
 
 
 @lru_cache(maxsize=65536)
 def roofline_timing(device: DeviceSpec, eff: Efficiency, layer: LayerSpec, micro_batch: int, tp: int,
-                    sequence_parallel: bool, dtype: str, attention: str = "flash2") -> LayerTiming:
+                    sequence_parallel: bool, dtype: str, attention: str = "flash2", ep: int = 1,
+                    load: float = 1.0) -> LayerTiming:
     """Roofline estimate of one layer (cached: the search asks for the same layer often).
-    ``attention`` is the fused attention kernel class of the training stack."""
+    ``attention`` is the fused attention kernel class of the training stack; ``ep`` and
+    ``load`` shape a mixture-of-experts unit's expert GEMMs (see ``Gemm.shape``)."""
     b, sp = micro_batch, sequence_parallel
+    gemms = lambda gs, select=lambda g: True: _gemms_time(device, eff, gs, b, tp, dtype, select, ep, load)  # noqa: E731
     peak = device.peak(dtype)
     causal = (0.5 if layer.causal else 1.0) * layer.attention_fraction
     bw = device.memory_bandwidth * eff.memory
     att_fwd, att_bwd = eff.attention(attention)
     attn_f = layer.attention_flops_fwd.at(tp) * b * causal / (peak * att_fwd)
     attn_b = layer.attention_flops_bwd.at(tp) * b * causal / (peak * att_bwd)
-    fwd = (_gemms_time(device, eff, layer.gemms_fwd, b, tp, dtype) + attn_f
+    fwd = (gemms(layer.gemms_fwd) + attn_f
            + layer.memory_bytes_fwd.at(tp, sp) * b / bw + layer.kernels_fwd * eff.launch_s)
-    weight = _gemms_time(device, eff, layer.gemms_bwd, b, tp, dtype, lambda g: g.batch_dim == "k")
-    data = _gemms_time(device, eff, layer.gemms_bwd, b, tp, dtype, lambda g: g.batch_dim != "k")
+    weight = gemms(layer.gemms_bwd, lambda g: g.batch_dim == "k")
+    data = gemms(layer.gemms_bwd, lambda g: g.batch_dim != "k")
     other = attn_b + layer.memory_bytes_bwd.at(tp, sp) * b / bw + layer.kernels_bwd * eff.launch_s
     core = (_gemms_time(device, eff, layer.gemms_fwd, b, tp, dtype, lambda g: g.in_core) + attn_f
             + layer.core_memory_bytes_fwd.at(tp, sp) * b / bw)
@@ -108,15 +111,17 @@ def roofline_timing(device: DeviceSpec, eff: Efficiency, layer: LayerSpec, micro
 
 def layer_timing(device: DeviceSpec, layer: LayerSpec, micro_batch: int, tp: int, sequence_parallel: bool,
                  dtype: str, profiles: ProfileSource | None = None, attention: str = "flash2",
-                 efficiency: Efficiency | None = None) -> LayerTiming:
+                 efficiency: Efficiency | None = None, ep: int = 1, load: float = 1.0) -> LayerTiming:
     """Measured timing when a profile covers this device and layer, else the roofline with
     ``efficiency`` (a calibration's), efficiencies fitted from profiles of this device, or
-    the device family's defaults, in that order."""
+    the device family's defaults, in that order. Profiles time expert units on one rank at
+    balanced load, so with expert parallelism or another load the roofline times them."""
     eff = efficiency
     if profiles is not None:
-        measured = profiles.layer_timing(device, layer, micro_batch, tp, sequence_parallel, dtype)
-        if measured is not None:
-            return measured
+        if layer.experts is None or (ep == 1 and load == 1.0):
+            measured = profiles.layer_timing(device, layer, micro_batch, tp, sequence_parallel, dtype)
+            if measured is not None:
+                return measured
         eff = eff or profiles.efficiency(device)
     return roofline_timing(device, eff or default_efficiency(device.name), layer, micro_batch, tp,
-                           sequence_parallel, dtype, attention)
+                           sequence_parallel, dtype, attention, ep, load)

@@ -54,8 +54,12 @@ def context_shard(layer: LayerSpec, cp: int) -> LayerSpec:
         return dataclasses.replace(g, **{g.batch_dim: getattr(g, g.batch_dim) * k})
 
     acts = layer.activation_bytes
+    routed = layer.experts
+    if routed is not None:   # a rank routes only its own tokens
+        routed = dataclasses.replace(routed, activation_bytes=routed.activation_bytes.scaled(k),
+                                     dispatch_bytes=routed.dispatch_bytes * k)
     return dataclasses.replace(
-        layer,
+        layer, experts=routed,
         flops_fwd=layer.flops_fwd.scaled(k), flops_bwd=layer.flops_bwd.scaled(k),
         gemms_fwd=tuple(gemm(g) for g in layer.gemms_fwd), gemms_bwd=tuple(gemm(g) for g in layer.gemms_bwd),
         attention_flops_fwd=layer.attention_flops_fwd.scaled(k),

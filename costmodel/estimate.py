@@ -13,6 +13,7 @@ from autoplan.plan import DeviceGroup, Plan
 from autoplan.schedule import build_program
 from autoplan.stacks import Stack, get_stack
 from autoplan.units import DTYPE_BYTES, GiB
+from costmodel import experts
 from costmodel.calibration import Calibration
 from costmodel.comm import collective_time, p2p_time
 from costmodel.compute import ProfileSource, layer_timing
@@ -41,6 +42,11 @@ class EstimateOptions:
     """Pipeline sends hold the sender until done; None = the stack's behaviour."""
     memory_margin: float = DEFAULT_MEMORY_MARGIN
     """Share of device memory a plan must leave free not to be called 'tight'."""
+    expert_load: float | None = None
+    """Mixture of experts: the busiest expert-parallel rank's routed tokens over the balanced
+    share, as measured or stated (1.0 = perfectly balanced); None = the model's capacity
+    factor, or for dropless routing the expected maximum under uniform routing
+    (see ``costmodel.experts.expert_load``)."""
 
     def __post_init__(self):
         # Resolved once, here: everything downstream reads plain values.
@@ -56,6 +62,10 @@ class EstimateOptions:
         m = self.memory_margin
         if isinstance(m, bool) or not isinstance(m, (int, float)) or not 0 <= m < 0.5:
             raise ConfigError("memory_margin", f"must be a share of memory in [0, 0.5), got {m!r}")
+        load = self.expert_load
+        if load is not None and (isinstance(load, bool) or not isinstance(load, (int, float)) or not load >= 1):
+            raise ConfigError("expert_load", f"must be a number >= 1 (the busiest rank over the balanced "
+                              f"share) or None, got {load!r}")
 
 
 MEMORY_COMPONENTS = ("weights", "gradients", "optimizer", "activations", "transient", "buffers", "nccl",
@@ -86,7 +96,8 @@ class Estimate:
     fits: bool
     """Every rank's peak is within its device's memory."""
     breakdown: dict[str, float]
-    """Seconds on the critical rank: compute, tp_communication, bubble, dp_communication, optimizer."""
+    """Seconds on the critical rank: compute, tp_communication, ep_communication (expert
+    dispatch and combine), bubble, dp_communication, optimizer."""
     bubble_fraction: float
     timeline: list[Event] = field(repr=False, default_factory=list)
     sources: dict[str, str] = field(default_factory=dict)
@@ -177,6 +188,13 @@ def device_timing_inputs(device, options: EstimateOptions):
     return eff, cal.compute_scale, "calibrated"
 
 
+def plan_expert_load(model: ModelSpec, plan: Plan, options: EstimateOptions) -> float:
+    """The busiest expert rank's load over the balanced share for this plan (1 for dense models)."""
+    spec = next((l.experts for l in model.layers if l.experts is not None), None)
+    return experts.expert_load(spec, plan.ep, plan.micro_batch * (model.tokens_per_sample or model.seq_len) / plan.cp,
+                               options.expert_load)
+
+
 def _pipeline_groups(plan: Plan) -> list[tuple[int, ...]]:
     """Per data-parallel replica, every tensor-parallel rank of every pipeline group."""
     per_group = [g.tp_groups() for g in plan.groups]
@@ -188,6 +206,7 @@ def stage_costs(model: ModelSpec, cluster: Cluster, plan: Plan, options: Estimat
     """Per-micro-batch costs of every stage of the plan."""
     b, sp, dtype, cp = plan.micro_batch, plan.sequence_parallel, plan.dtype, plan.cp
     stack = options.stack
+    ep, load = plan.ep, plan_expert_load(model, plan, options)
     out = []
     n = len(plan.stages)
     # Collective and transfer times depend only on the ranks and the bytes: the units of a
@@ -224,7 +243,7 @@ def stage_costs(model: ModelSpec, cluster: Cluster, plan: Plan, options: Estimat
             eff, scale, label = device_timing_inputs(dev, options)
             f = bi = bw = 0.0
             for layer in layers:
-                t = layer_timing(dev, layer, b, tp, sp, dtype, options.profiles, stack.attention, eff)
+                t = layer_timing(dev, layer, b, tp, sp, dtype, options.profiles, stack.attention, eff, ep, load)
                 if sources is not None:
                     src = label if label and t.source == "roofline" else t.source
                     prev = sources.get(dev.name)
@@ -258,9 +277,16 @@ def stage_costs(model: ModelSpec, cluster: Cluster, plan: Plan, options: Estimat
                 tp_f, tp_b = tp_f + f, tp_b + b_
         # A fully recomputed stage repeats its forward collectives in the backward.
         tp_b += tp_f if stage.recompute == "full" else 0.0
-        fwd += tp_f
-        bwd_i += tp_b
-        bwd += tp_b
+        # Expert parallelism: every expert unit dispatches and combines its routed tokens by
+        # all-to-all in forward, and mirrors both in backward (again when recomputed).
+        ep_f = 0.0
+        if ep > 1:
+            ep_groups = group.ep_groups(ep)
+            ep_f = sum(2 * experts.dispatch_time(cluster, ep_groups, l, b, load) for l in layers)
+        ep_b = ep_f * (2 if stage.recompute == "full" else 1)
+        fwd += tp_f + ep_f
+        bwd_i += tp_b + ep_b
+        bwd += tp_b + ep_b
         # The context-parallel exchange around attention is on the critical path too, and is
         # repeated when the attention is recomputed (selective or full).
         cp_f, cp_b, _ = stage_exchange(cluster, group.cp_groups(), plan.cp_comm, model, layers,
@@ -271,13 +297,19 @@ def stage_costs(model: ModelSpec, cluster: Cluster, plan: Plan, options: Estimat
         bwd_i += cp_b
         bwd += cp_b
         params = sum(l.params.at(tp) for l in layers)
-        grad_bytes = params * stack.grad_reduce_bytes_per_param
+        # Expert gradients are reduced over the ranks holding the same experts, the rest over
+        # the data-parallel group (with ep = 1 both are the data-parallel group: one reduction).
+        expert_local = experts.expert_params(layers, tp) / ep if ep > 1 else 0.0
+        dense = params - experts.expert_params(layers, tp) if ep > 1 else params
+        edp_groups = group.expert_dp_groups(ep) if ep > 1 else []
         if plan.zero >= 3 and dp > 1:
             # Parameters are gathered for the forward and again for the backward, and
             # gradients reduce-scattered, every micro-batch; prefetching hides what the
             # compute can cover.
-            gather = worst(dp_groups, params * stack.gathered_weights_bytes_per_param, "all_gather")
-            scatter = worst(dp_groups, grad_bytes, "reduce_scatter")
+            gather = experts.grad_reduce_time(cluster, dp_groups, edp_groups, dense * stack.gathered_weights_bytes_per_param,
+                                              expert_local * stack.gathered_weights_bytes_per_param, "all_gather")
+            scatter = experts.grad_reduce_time(cluster, dp_groups, edp_groups, dense * stack.grad_reduce_bytes_per_param,
+                                               expert_local * stack.grad_reduce_bytes_per_param, "reduce_scatter")
             fwd = max(fwd, gather)
             extra = max(0.0, gather + scatter - bwd)
             bwd_i += extra
@@ -285,7 +317,8 @@ def stage_costs(model: ModelSpec, cluster: Cluster, plan: Plan, options: Estimat
             reduce = 0.0
         elif dp > 1:
             kind = "reduce_scatter" if plan.zero >= 1 else "all_reduce"
-            reduce = worst(dp_groups, grad_bytes, kind)
+            reduce = experts.grad_reduce_time(cluster, dp_groups, edp_groups, dense * stack.grad_reduce_bytes_per_param,
+                                              expert_local * stack.grad_reduce_bytes_per_param, kind)
         else:
             reduce = 0.0
         out_bytes = b * layers[-1].output_bytes
@@ -304,11 +337,12 @@ def stage_costs(model: ModelSpec, cluster: Cluster, plan: Plan, options: Estimat
             in_bytes = b * context_shard(model.layers[stage.start - 1], cp).output_bytes
             if prv is not group:
                 send_b = p2p(group, prv, in_bytes)
-        act = activation_bytes(layers, stage.recompute, b, tp, sp, stack, dtype)
+        act = activation_bytes(layers, stage.recompute, b, tp, sp, stack, dtype, load)
         out.append(StageCosts(forward=fwd, backward=bwd, backward_input=bwd_i, backward_weight=bwd_w,
                               send_forward=send_f, send_backward=send_b, activation_bytes=act,
                               grad_reduce=reduce, layers=len(layers), tp_comm_forward=tp_f,
-                              tp_comm_backward=tp_b, cp_comm_forward=cp_f, cp_comm_backward=cp_b))
+                              tp_comm_backward=tp_b, ep_comm_forward=ep_f, ep_comm_backward=ep_b,
+                              cp_comm_forward=cp_f, cp_comm_backward=cp_b))
     return out
 
 
@@ -318,8 +352,8 @@ def _optimizer_time(model: ModelSpec, cluster: Cluster, plan: Plan, g: int, stac
     all-gather) for one pipeline group."""
     group = plan.groups[g]
     layers = [l for s in plan.stages if s.group == g for l in model.layers[s.start:s.end]]
-    params = sum(l.params.at(group.tp) for l in layers)
-    shard = params / (group.dp * group.cp if plan.zero >= 1 else 1)
+    params, sharded = experts.state_params(layers, group.tp, plan.ep)
+    shard = sharded / (group.dp * group.cp) if plan.zero >= 1 else params
     step = max(shard * stack.optimizer_traffic_bytes_per_param / (d.memory_bandwidth * default_efficiency(d.name).memory)
                for d in _group_devices(cluster, group.ranks))
     if calibration is not None:
@@ -332,7 +366,7 @@ def _optimizer_time(model: ModelSpec, cluster: Cluster, plan: Plan, g: int, stac
     return step, gather
 
 
-def _transient(model: ModelSpec, cluster: Cluster, plan: Plan, s: int, stack: Stack) -> float:
+def _transient(model: ModelSpec, cluster: Cluster, plan: Plan, s: int, stack: Stack, load: float = 1.0) -> float:
     """Peak temporary bytes of stage ``s`` (see costmodel.memory.transient_bytes), with the
     context-parallel exchange's buffers of the layer that holds them."""
     stage, group = plan.stages[s], plan.groups[plan.stages[s].group]
@@ -343,14 +377,15 @@ def _transient(model: ModelSpec, cluster: Cluster, plan: Plan, s: int, stack: St
         buffers = stage_exchange(cluster, group.cp_groups(), plan.cp_comm, model, [part], devices,
                                  plan.micro_batch, group.tp, plan.dtype, DTYPE_BYTES[plan.dtype])[2]
         worst = max(worst, transient_bytes([part], stage.recompute, plan.micro_batch, group.tp,
-                                           plan.sequence_parallel, stack, plan.dtype) + buffers)
+                                           plan.sequence_parallel, stack, plan.dtype, plan.ep, load) + buffers)
     return worst
 
 
 def _communicators(plan: Plan, g: int) -> int:
     """Process groups of two or more ranks that a rank of pipeline group ``g`` talks in."""
     group = plan.groups[g]
-    return (group.tp > 1) + (group.dp * group.cp > 1) + (group.cp > 1) + (plan.pp > 1)
+    shards = group.dp * group.cp
+    return (group.tp > 1) + (shards > 1) + (group.cp > 1) + (plan.pp > 1) + (plan.ep > 1) + (plan.ep > 1 and shards > plan.ep)
 
 
 def estimate(model: ModelSpec, cluster: Cluster, plan: Plan, options: EstimateOptions | None = None,
@@ -378,6 +413,7 @@ def estimate(model: ModelSpec, cluster: Cluster, plan: Plan, options: EstimateOp
                    blocking_p2p=options.blocking_p2p)
 
     # Memory per group.
+    load = plan_expert_load(model, plan, options)
     act_scale = options.calibration.activation_scale if options.calibration else 1.0
     extra = options.calibration.memory_overhead_bytes if options.calibration else 0.0
     memory_by_group, memory_by_rank, device_mem = [], {}, {}
@@ -386,11 +422,11 @@ def estimate(model: ModelSpec, cluster: Cluster, plan: Plan, options: EstimateOp
         stage_layers = [model.layers[plan.stages[s].start:plan.stages[s].end] for s in stage_ids]
         layers = [l for ls in stage_layers for l in ls]
         shards = group.dp * group.cp   # weights are sharded over data and context ranks
-        states = model_state_bytes(layers, group.tp, shards, plan.zero, stack)
-        transient = max(_transient(model, cluster, plan, s, stack) for s in stage_ids)
+        states = model_state_bytes(layers, group.tp, shards, plan.zero, stack, plan.ep)
+        transient = max(_transient(model, cluster, plan, s, stack, load) for s in stage_ids)
         accelerator = any(not d.name.upper().startswith("CPU") for d in _group_devices(cluster, group.ranks))
         mem = group_memory(states, sim.peak_activation_bytes[g] * act_scale, transient * act_scale,
-                           optimizer_step_bytes(layers, group.tp, shards, plan.zero, stack),
+                           optimizer_step_bytes(layers, group.tp, shards, plan.zero, stack, plan.ep),
                            _communicators(plan, g), shards, stack, accelerator)
         mem.buffers += extra
         memory_by_group.append(mem)
@@ -424,8 +460,9 @@ def estimate(model: ModelSpec, cluster: Cluster, plan: Plan, options: EstimateOp
     cp_comm = sum(costs[a.stage].cp_comm_forward if a.kind == "F" else
                   costs[a.stage].cp_comm_backward if a.kind in ("B", "I") else 0.0 for a in program.ranks[g])
     breakdown = {
-        "compute": sim.busy[g] - sim.tp_comm[g] - cp_comm,
+        "compute": sim.busy[g] - sim.tp_comm[g] - sim.ep_comm[g] - cp_comm,
         "tp_communication": sim.tp_comm[g],
+        "ep_communication": sim.ep_comm[g],
         **({"cp_communication": cp_comm} if plan.cp > 1 else {}),
         "bubble": bubble,
         "dp_communication": max(0.0, sim.comm_end[g] - sim.compute_end[g]),

@@ -13,6 +13,7 @@ from typing import Sequence
 
 from autoplan.models.spec import LayerSpec
 from autoplan.stacks import Stack
+from costmodel import experts
 from autoplan.units import DTYPE_BYTES
 
 DEFAULT_MEMORY_MARGIN = 0.03
@@ -77,22 +78,25 @@ class GroupMemory:
         return self.buffers + self.nccl + self.context + self.fragmentation
 
 
-def model_state_bytes(layers: Sequence[LayerSpec], tp: int, dp: int, zero: int, stack: Stack) -> ModelStateBytes:
-    """Weights, gradients and optimizer states of ``layers`` on one rank under ``stack``."""
-    params = sum(l.params.at(tp) for l in layers)
-    weights = params * stack.weights_bytes_per_param / (dp if zero >= 3 else 1)
+def model_state_bytes(layers: Sequence[LayerSpec], tp: int, dp: int, zero: int, stack: Stack,
+                      ep: int = 1) -> ModelStateBytes:
+    """Weights, gradients and optimizer states of ``layers`` on one rank under ``stack``
+    (routed experts split over ``ep`` ranks, see ``costmodel.experts.state_params``)."""
+    held, sharded = experts.state_params(layers, tp, ep)
+    per = lambda stage: sharded / dp if zero >= stage else held  # noqa: E731
+    weights = per(3) * stack.weights_bytes_per_param
     if zero >= 3 and dp > 1 and layers:
         # FSDP / ZeRO-3 gathers one unit at a time and prefetches the next.
-        biggest = max(l.params.at(tp) for l in layers)
+        biggest = max(experts.state_params([l], tp, ep)[0] for l in layers)
         weights += 2 * biggest * stack.gathered_weights_bytes_per_param
     casts = 0.0
     if stack.weight_cast_bytes_per_param and not (zero >= 3 and dp > 1):
         # Half-precision copies of fp32 weights that the matmuls read (autocast, or FSDP's
         # unsharded compute copy); embedding tables are looked up, not cast.
-        casts = sum(l.params.at(tp) for l in layers if l.kind != "embedding") * stack.weight_cast_bytes_per_param
-    grads = params * stack.gradient_bytes_per_param / (dp if zero >= 2 else 1)
-    optim = params * (stack.master_weights_bytes_per_param + stack.optimizer_bytes_per_param) / (
-        dp if zero >= 1 else 1)
+        casts = experts.state_params([l for l in layers if l.kind != "embedding"], tp, ep)[0] * \
+            stack.weight_cast_bytes_per_param
+    grads = per(2) * stack.gradient_bytes_per_param
+    optim = per(1) * (stack.master_weights_bytes_per_param + stack.optimizer_bytes_per_param)
     return ModelStateBytes(weights, grads, optim, casts)
 
 
@@ -110,10 +114,13 @@ def loss_logits(layer: LayerSpec, tp: int, dtype: str, stack: Stack) -> float:
 
 
 def activation_bytes(layers: Sequence[LayerSpec], recompute: str, micro_batch: int, tp: int,
-                     sequence_parallel: bool, stack: Stack | None = None, dtype: str = "bf16") -> float:
+                     sequence_parallel: bool, stack: Stack | None = None, dtype: str = "bf16",
+                     expert_load: float = 1.0) -> float:
     """Bytes one micro-batch keeps on one rank between its forward and backward (with a
-    stack: the loss's saved logits on the stage that holds the head)."""
-    saved = sum(l.activation_bytes[recompute].at(tp, sequence_parallel) for l in layers)
+    stack: the loss's saved logits on the stage that holds the head; routed experts at
+    ``expert_load``, see ``costmodel.experts``)."""
+    saved = sum(l.activation_bytes[recompute].at(tp, sequence_parallel)
+                + experts.activation_bytes(l, recompute, tp, sequence_parallel, expert_load) for l in layers)
     if stack is not None:
         saved = saved * stack.activation_scale + sum(
             loss_logits(l, tp, dtype, stack) for l in layers) * stack.loss_saved_bytes_per_logit
@@ -121,16 +128,21 @@ def activation_bytes(layers: Sequence[LayerSpec], recompute: str, micro_batch: i
 
 
 def transient_bytes(layers: Sequence[LayerSpec], recompute: str, micro_batch: int, tp: int,
-                    sequence_parallel: bool, stack: Stack | None = None, dtype: str = "bf16") -> float:
+                    sequence_parallel: bool, stack: Stack | None = None, dtype: str = "bf16",
+                    ep: int = 1, expert_load: float = 1.0) -> float:
     """Peak temporary memory while one unit runs its backward, on top of the saved
     activations: under full recomputation the unit's whole activation set is rebuilt, and
-    every backward holds the gradients of its output and input; the loss's backward holds
-    its gradient buffers over the logits (with a stack)."""
+    every backward holds the gradients of its output and input (and of its routed tokens,
+    see ``costmodel.experts.transient_bytes``); the loss's backward holds its gradient
+    buffers over the logits (with a stack)."""
     worst = 0.0
     scale = stack.activation_scale if stack is not None else 1.0
     for l in layers:
-        rebuilt = l.activation_bytes["none"].at(tp, sequence_parallel) * scale if recompute == "full" else 0.0
+        rebuilt = ((l.activation_bytes["none"].at(tp, sequence_parallel)
+                    + experts.activation_bytes(l, "none", tp, sequence_parallel, expert_load)) * scale
+                   if recompute == "full" else 0.0)
         grads = 2 * l.output_bytes if l.kind != "head" else 0.0
+        grads += experts.transient_bytes(l, 1, ep, expert_load)
         if stack is not None and l.kind == "head":
             extra = stack.loss_peak_bytes_per_logit - stack.loss_saved_bytes_per_logit
             grads = loss_logits(l, tp, dtype, stack) * max(extra, 0.0)
@@ -141,9 +153,11 @@ def transient_bytes(layers: Sequence[LayerSpec], recompute: str, micro_batch: in
     return worst
 
 
-def optimizer_step_bytes(layers: Sequence[LayerSpec], tp: int, dp: int, zero: int, stack: Stack) -> float:
+def optimizer_step_bytes(layers: Sequence[LayerSpec], tp: int, dp: int, zero: int, stack: Stack,
+                         ep: int = 1) -> float:
     """Temporaries of the optimizer step (after the backward, when activations are gone)."""
-    params = sum(l.params.at(tp) for l in layers) / (dp if zero >= 1 else 1)
+    held, sharded = experts.state_params(layers, tp, ep)
+    params = sharded / dp if zero >= 1 else held
     return params * stack.optimizer_step_bytes_per_param
 
 

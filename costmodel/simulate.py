@@ -35,6 +35,10 @@ class StageCosts:
     tp_comm_forward: float = 0.0
     """Part of ``forward`` that is tensor-parallel communication."""
     tp_comm_backward: float = 0.0
+    ep_comm_forward: float = 0.0
+    """Part of ``forward`` that is expert-parallel dispatch and combine (all-to-all)."""
+    ep_comm_backward: float = 0.0
+    """Part of ``backward`` (and ``backward_input``) that is expert-parallel all-to-all."""
     cp_comm_forward: float = 0.0
     """Part of ``forward`` that is exposed context-parallel exchange."""
     cp_comm_backward: float = 0.0
@@ -64,6 +68,8 @@ class SimResult:
     busy: list[float]
     """Per rank: seconds of compute actions (TP communication inside them included)."""
     tp_comm: list[float]
+    ep_comm: list[float]
+    """Per rank: seconds of expert-parallel all-to-all inside its compute actions."""
     comm_end: list[float]
     """Per rank: when its gradient reduction finished."""
     rank_end: list[float]
@@ -89,6 +95,7 @@ def simulate(program: ScheduleProgram, costs: list[StageCosts], optimizer: list[
     free = [0.0] * P
     busy = [0.0] * P
     tp_comm = [0.0] * P
+    ep_comm = [0.0] * P
     live = [0.0] * P
     peak = [0.0] * P
     events: list[Event] = []
@@ -99,6 +106,8 @@ def simulate(program: ScheduleProgram, costs: list[StageCosts], optimizer: list[
            (("F", "forward"), ("B", "backward"), ("I", "backward_input"), ("W", "backward_weight"))}
     comm = {"F": [c.tp_comm_forward for c in costs], "B": [c.tp_comm_backward for c in costs],
             "I": [c.tp_comm_backward for c in costs], "W": [0.0] * len(costs)}
+    ep = {"F": [c.ep_comm_forward for c in costs], "B": [c.ep_comm_backward for c in costs],
+          "I": [c.ep_comm_backward for c in costs], "W": [0.0] * len(costs)}
     send_f = [c.send_forward for c in costs]
     send_b = [c.send_backward for c in costs]
     act_bytes = [c.activation_bytes for c in costs]
@@ -133,6 +142,7 @@ def simulate(program: ScheduleProgram, costs: list[StageCosts], optimizer: list[
                     free[g] += send_f[s] if direction == 1 else send_b[s]
                 busy[g] += d_
                 tp_comm[g] += comm[kind][s]
+                ep_comm[g] += ep[kind][s]
                 if kind == "F":
                     live[g] += act_bytes[s]
                     if live[g] > peak[g]:
@@ -180,5 +190,5 @@ def simulate(program: ScheduleProgram, costs: list[StageCosts], optimizer: list[
     iteration = max(rank_end)
     critical = max(range(P), key=lambda g: (rank_end[g], busy[g]))
     return SimResult(iteration_time=iteration, events=events, compute_end=compute_end, busy=busy,
-                     tp_comm=tp_comm, comm_end=comm_end, rank_end=rank_end,
+                     tp_comm=tp_comm, ep_comm=ep_comm, comm_end=comm_end, rank_end=rank_end,
                      peak_activation_bytes=peak, critical_rank=critical, optimizer=list(optimizer))

@@ -22,6 +22,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import time
+from dataclasses import replace
 
 from autoplan.cluster import Cluster
 from autoplan.errors import ConfigError, NoPlanFitsError
@@ -132,6 +133,18 @@ class _Search:
     def dp_options(self) -> list[int]:
         n = self.cluster.num_gpus
         return [d for d in divisors(self.gb) if d <= n and (self.c.dp is None or d in self.c.dp)]
+
+    def ep_options(self, shards: int) -> list[int]:
+        """Expert-parallel degrees over ``shards`` = dp x cp ranks: divisors of it that divide
+        the model's experts (just 1 for a dense model)."""
+        experts = self.model.num_experts
+        return [e for e in divisors(shards) if (e == 1 or (experts and experts % e == 0))
+                and (self.c.ep is None or e in self.c.ep)]
+
+    def with_ep(self, sk: Skeleton) -> list[Skeleton]:
+        """The skeleton under every expert-parallel degree its data parallelism allows."""
+        return [Skeleton(groups=sk.groups, kinds=tuple(replace(k, ep=e) for k in sk.kinds))
+                for e in self.ep_options(sk.shards)]
 
     def cp_options(self, tp: int) -> list[tuple[int, str]]:
         """(cp, exchange) pairs for replicas of tensor-parallel degree ``tp``: cp = 1, and
@@ -267,7 +280,7 @@ class _Search:
                                 g = made[(tp, cp, dp, p)] = DeviceGroup(
                                     ranks=tuple(range(p * per, (p + 1) * per)), tp=tp, cp=cp)
                             groups.append(g)
-                        out.append(Skeleton(groups=tuple(groups), kinds=(Kind(0, tp, cp, comm),) * pp))
+                        out += self.with_ep(Skeleton(groups=tuple(groups), kinds=(Kind(0, tp, cp, comm),) * pp))
         return out
 
     def heterogeneous_skeletons(self, pstats: PlacementStats) -> list[Skeleton]:
@@ -349,8 +362,8 @@ class _Search:
             for sk in found:
                 if self.c.pp is not None and sk.pp not in self.c.pp:
                     continue
-                key = (sk.groups, sk.kinds)
-                seen.setdefault(key, sk)
+                for variant in self.with_ep(sk):
+                    seen.setdefault((variant.groups, variant.kinds), variant)
         return list(seen.values())
 
     # ------------------------------------------------------------- bounds

@@ -39,6 +39,10 @@ class Skeleton:
         return self.groups[0].dp
 
     @property
+    def ep(self) -> int:
+        return self.kinds[0].ep
+
+    @property
     def cp(self) -> int:
         return self.groups[0].cp
 
@@ -102,7 +106,7 @@ class Candidate:
                     num_micro_batches=s.num_micro_batches, schedule=s.schedule,
                     virtual_stages=s.virtual_stages, sequence_parallel=s.sequence_parallel,
                     zero=s.zero, dtype=dtype, model=model.name, seq_len=model.seq_len,
-                    cp_comm=sk.kinds[0].cp_comm)
+                    cp_comm=sk.kinds[0].cp_comm, ep=sk.ep)
 
     def key(self) -> tuple:
         """Identity of the plan (for de-duplication and fixed tie-breaking)."""
@@ -110,7 +114,7 @@ class Candidate:
         return (tuple(g.ranks for g in self.skeleton.groups), tuple(g.tp for g in self.skeleton.groups),
                 tuple((k.cp, k.cp_comm) for k in self.skeleton.kinds),
                 s.micro_batch, s.schedule, s.virtual_stages, s.zero, s.sequence_parallel,
-                self.bounds, self.recompute)
+                self.bounds, self.recompute, self.skeleton.ep)
 
 
 @dataclass
@@ -129,6 +133,8 @@ class StageFigures:
     transient: float
     max_params: float
     units: int
+    zero_params: float = 0.0
+    """Parameters ZeRO divides by dp (the held ones, with experts counted whole)."""
 
     @property
     def backward(self) -> float:
@@ -152,15 +158,21 @@ def stage_figures(tables: Tables, sk: Skeleton, st: Setting, bounds: Sequence[tu
         bw = t["cum_backward_weight"][b] - t["cum_backward_weight"][a]
         params = t["cum_params"][b] - t["cum_params"][a]
         cast = t["cum_cast_params"][b] - t["cum_cast_params"][a]
+        # Expert gradients go over the ranks holding the same experts (costmodel.experts).
+        ep = sk.ep
+        expert = t["cum_expert_params"][b] - t["cum_expert_params"][a] if ep > 1 else 0.0
+
+        def collective(per_param: float, kind: str) -> float:
+            return (tables.dp_collective(group, (params - expert) * per_param, kind)
+                    + (tables.expert_dp_collective(group, ep, expert * per_param, kind) if expert else 0.0))
         reduce = 0.0
         if st.zero >= 3 and group.dp * group.cp > 1:
-            gather = tables.dp_collective(group, params * stack.gathered_weights_bytes_per_param, "all_gather")
-            scatter = tables.dp_collective(group, params * stack.grad_reduce_bytes_per_param, "reduce_scatter")
+            gather = collective(stack.gathered_weights_bytes_per_param, "all_gather")
+            scatter = collective(stack.grad_reduce_bytes_per_param, "reduce_scatter")
             fwd = max(fwd, gather)
             bi += max(0.0, gather + scatter - (bi + bw))
         elif group.dp * group.cp > 1:
-            reduce = tables.dp_collective(group, params * stack.grad_reduce_bytes_per_param,
-                                          "reduce_scatter" if st.zero >= 1 else "all_reduce")
+            reduce = collective(stack.grad_reduce_bytes_per_param, "reduce_scatter" if st.zero >= 1 else "all_reduce")
         send_f = send_b = 0.0
         if j < n - 1:
             nxt = sk.groups[(j + 1) % P]
@@ -174,7 +186,8 @@ def stage_figures(tables: Tables, sk: Skeleton, st: Setting, bounds: Sequence[tu
             forward=fwd, backward_input=bi, backward_weight=bw, send_forward=send_f, send_backward=send_b,
             grad_reduce=reduce, params=params, cast_params=cast,
             activation=t["cum_activation"][q][b] - t["cum_activation"][q][a],
-            transient=t["max_transient"][q][a][b], max_params=t["max_params"][a][b], units=b - a))
+            transient=t["max_transient"][q][a][b], max_params=t["max_params"][a][b], units=b - a,
+            zero_params=t["cum_zero_params"][b] - t["cum_zero_params"][a]))
     return out
 
 
@@ -186,12 +199,14 @@ def group_memory(tables: Tables, sk: Skeleton, st: Setting, figs: Sequence[Stage
     for g in range(P):
         mine = figs[g::P]
         params = sum(f.params for f in mine)
-        states = tables.state_bytes(params, max(f.max_params for f in mine), sk.shards, st.zero)
+        sharded = sum(f.zero_params for f in mine)
+        states = tables.state_bytes(params, max(f.max_params for f in mine), sk.shards, st.zero, sharded)
         casts = tables.cast_bytes(sum(f.cast_params for f in mine), sk.shards, st.zero)
         act = fl.peak_bytes(g, [f.activation for f in mine])
         trans = max(f.transient for f in mine)
-        out.append(float(tables.memory_total(states, act, trans + casts, tables.step_bytes(params, sk.shards, st.zero),
-                                             tables.fixed_bytes(sk.kinds[g].pool, sk.groups[g], P))))
+        out.append(float(tables.memory_total(states, act, trans + casts,
+                                             tables.step_bytes(params, sk.shards, st.zero, sharded),
+                                             tables.fixed_bytes(sk.kinds[g].pool, sk.groups[g], P, sk.ep))))
     return out
 
 
@@ -240,8 +255,8 @@ def pipeline_time(sk: Skeleton, st: Setting, figs: Sequence[StageFigures], table
                        if overlap_grad_reduce else reduce)
         params = sum(f.params for f in figs[g::P])
         group = sk.groups[g]
-        opt = (params / (group.dp * group.cp if st.zero >= 1 else 1) * tables.optimizer_rate(sk.kinds[g].pool)
-               + tables.step_overhead(sk.kinds[g].pool))
+        local = sum(f.zero_params for f in figs[g::P]) / (group.dp * group.cp) if st.zero >= 1 else params
+        opt = local * tables.optimizer_rate(sk.kinds[g].pool) + tables.step_overhead(sk.kinds[g].pool)
         if st.zero in (1, 2) and group.dp * group.cp > 1 and gather_after_step:
             opt += tables.dp_collective(group, params * w, "all_gather")
         end = max(end, pipe - drain + exposed + opt)
@@ -278,8 +293,8 @@ def _tails(tables: Tables, sk: Skeleton, st: Setting, figs: Sequence[StageFigure
     for g in range(sk.pp):
         params = sum(f.params for f in figs[g::sk.pp])
         group = sk.groups[g]
-        opt.append(params / (group.dp * group.cp if st.zero >= 1 else 1) * tables.optimizer_rate(sk.kinds[g].pool)
-                   + tables.step_overhead(sk.kinds[g].pool))
+        local = sum(f.zero_params for f in figs[g::sk.pp]) / (group.dp * group.cp) if st.zero >= 1 else params
+        opt.append(local * tables.optimizer_rate(sk.kinds[g].pool) + tables.step_overhead(sk.kinds[g].pool))
         post.append(tables.dp_collective(group, params * tables.weight_bytes, "all_gather")
                     if st.zero in (1, 2) and group.dp * group.cp > 1 and not tables.stack.overlap_param_gather
                     else 0.0)

@@ -13,6 +13,7 @@ from search.placement import PlacementStats
 BREAKDOWN_WORDS = {
     "compute": "compute on the critical rank",
     "tp_communication": "tensor-parallel communication",
+    "ep_communication": "expert-parallel all-to-all",
     "cp_communication": "exposed context-parallel key/value exchange",
     "bubble": "pipeline bubble (idle time waiting on other stages)",
     "dp_communication": "exposed data-parallel gradient communication",
@@ -155,8 +156,9 @@ class SearchResult:
         """The top plans as a plain-text table."""
         rows = []
         total = self.cluster.num_gpus
-        # The context-parallel column appears when a listed plan splits sequences.
+        # The context- and expert-parallel columns appear when a listed plan uses them.
         show_cp = any(rp.plan.cp > 1 for rp in self.ranked[:top_k])
+        show_ep = any(rp.plan.ep > 1 for rp in self.ranked[:top_k])
         for rp in self.ranked[:top_k]:
             p, e = rp.plan, rp.estimate
             dp, tp, pp = describe_degrees(p)
@@ -165,14 +167,19 @@ class SearchResult:
             gpus = f"{rp.gpus_used}" if rp.gpus_used == total else f"{rp.gpus_used}/{total}"
             lo, hi = e.time_interval_s
             band = f"{lo:.3g}-{hi:.3g}" if hi > lo else "-"
-            rows.append([str(rp.rank), gpus, dp, tp, pp, p.schedule, f"{p.micro_batch}x{p.num_micro_batches}",
+            rows.append([str(rp.rank), gpus, dp, tp, pp,
+                         p.schedule, f"{p.micro_batch}x{p.num_micro_batches}",
                          str(p.zero), p.recompute + (" sp" if p.sequence_parallel else ""),
                          f"{e.iteration_time_s:.3f}", band, f"{e.tokens_per_s:,.0f}", f"{e.mfu:.1%}", mem,
                          e.status])
+            if show_ep:
+                rows[-1].insert(5, str(p.ep))
             if show_cp:
                 rows[-1].insert(5, f"{p.cp} {p.cp_comm}" if p.cp > 1 else "1")
         header = ["#", "GPUs", "dp", "tp", "pp", "schedule", "mb x n", "zero", "recompute",
                   "iter s", "80% range", "tokens/s", "MFU", "peak GiB/device", "memory"]
+        if show_ep:
+            header.insert(5, "ep")
         if show_cp:
             header.insert(5, "cp")
         return _format_table(rows, header)

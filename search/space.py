@@ -10,7 +10,7 @@ from dataclasses import dataclass, fields, replace
 from typing import Any
 
 from autoplan.errors import ConfigError, closest
-from autoplan.limits import MAX_GPUS, MAX_MICRO_BATCH, MAX_SEQ_LEN, MAX_UNITS, MAX_VIRTUAL_STAGES
+from autoplan.limits import MAX_EXPERTS, MAX_GPUS, MAX_MICRO_BATCH, MAX_SEQ_LEN, MAX_UNITS, MAX_VIRTUAL_STAGES
 from autoplan.plan import CP_COMMS, SCHEDULES
 from search.tables import RECOMPUTES
 
@@ -34,6 +34,9 @@ class Constraints:
     min_cp_tokens: int = 4096
     """Fewest tokens of a sequence a context rank may hold when cp is None: shorter parts
     make attention blocks too small to hide the exchange behind, so they are not tried."""
+    ep: tuple[int, ...] | None = None
+    """Expert-parallel degrees allowed (None: every degree dividing dp x cp and the model's
+    experts; a dense model always gets 1)."""
     micro_batch: tuple[int, ...] | None = None
     """Micro-batch sizes allowed (None: divisors of the per-replica batch up to max_micro_batch)."""
     max_micro_batch: int = 16
@@ -110,7 +113,7 @@ class Constraints:
                 raise ConfigError(k, "is not a search constraint", hint or f"known: {', '.join(sorted(known))}")
         out = {}
         for k, v in kwargs.items():
-            if k in ("tp", "pp", "dp", "cp", "micro_batch", "virtual_stages"):
+            if k in ("tp", "pp", "dp", "cp", "ep", "micro_batch", "virtual_stages"):
                 if v is None:
                     out[k] = None
                     continue
@@ -224,7 +227,8 @@ class Constraints:
         return replace(opts, **changes) if changes else opts
 
 
-_LIMITS = {"tp": MAX_GPUS, "pp": MAX_UNITS, "dp": MAX_GPUS, "cp": MAX_GPUS, "micro_batch": MAX_MICRO_BATCH,
+_LIMITS = {"tp": MAX_GPUS, "pp": MAX_UNITS, "dp": MAX_GPUS, "cp": MAX_GPUS, "ep": MAX_EXPERTS,
+           "micro_batch": MAX_MICRO_BATCH,
            "virtual_stages": MAX_VIRTUAL_STAGES, "max_micro_batch": MAX_MICRO_BATCH,
            "max_virtual_stages": MAX_VIRTUAL_STAGES, "max_estimates": 10_000, "estimate_actions": 10**9,
            "placement_alternatives": 100, "max_stages": MAX_UNITS, "refine_evaluations": 1_000_000,

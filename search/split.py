@@ -117,8 +117,9 @@ class Splitter:
         t = self.tables.table(kind, st.micro_batch, st.sequence_parallel)
         dyn = self.tables.dynamic_factor
         params = t.cum_params[None, :] - t.cum_params[:, None]
+        sharded = t.cum_zero_params[None, :] - t.cum_zero_params[:, None]
         cast = t.cum_cast_params[None, :] - t.cum_cast_params[:, None]
-        states = self.tables.state_bytes(params, t.max_params, group.dp * group.cp, st.zero)
+        states = self.tables.state_bytes(params, t.max_params, group.dp * group.cp, st.zero, sharded)
         base = states[None] + dyn * (t.max_transient + self.tables.cast_bytes(cast, group.dp * group.cp, st.zero)[None])
         act = dyn * (t.cum_activation[:, None, :] - t.cum_activation[:, :, None])
         self._mem[key] = (base, act)
@@ -236,7 +237,8 @@ class Splitter:
         shares = self._chunk_shares(sk, st, counts)
         for j, (a, e) in enumerate(split.bounds):
             g, chunk = j % P, j // P
-            cap = self.tables.capacity(sk.kinds[g].pool) - self.tables.fixed_bytes(sk.kinds[g].pool, sk.groups[g], P)
+            pool = sk.kinds[g].pool
+            cap = self.tables.capacity(pool) - self.tables.fixed_bytes(pool, sk.groups[g], P, sk.ep)
             if v == 1:
                 budget = cap
                 base, act = self._mem_mats(sk, g, st)
@@ -311,7 +313,7 @@ class Splitter:
                 per_group.append((time_m, None, None, 0.0))
                 continue
             pool = sk.kinds[g].pool
-            cap = self.tables.capacity(pool) - self.tables.fixed_bytes(pool, sk.groups[g], P)
+            cap = self.tables.capacity(pool) - self.tables.fixed_bytes(pool, sk.groups[g], P, sk.ep)
             if v == 1:
                 base, act = self._mem_mats(sk, g, st)
                 per_group.append((time_m, base, act, cap))
@@ -413,8 +415,9 @@ class Splitter:
         if hit is None:
             t = self.tables.table(kind, st.micro_batch, st.sequence_parallel)
             params = t.cum_params[None, :] - t.cum_params[:, None]
+            sharded = t.cum_zero_params[None, :] - t.cum_zero_params[:, None]
             cast = t.cum_cast_params[None, :] - t.cum_cast_params[:, None]
-            states = self.tables.state_bytes(params, t.max_params, group.dp * group.cp, st.zero) \
+            states = self.tables.state_bytes(params, t.max_params, group.dp * group.cp, st.zero, sharded) \
                 + self.tables.dynamic_factor * self.tables.cast_bytes(cast, group.dp * group.cp, st.zero)
             act = self.tables.dynamic_factor * (t.cum_activation[:, None, :] - t.cum_activation[:, :, None])
             hit = self._mem[key] = (np.broadcast_to(states, act.shape), act)
@@ -499,7 +502,7 @@ class Splitter:
         for j, (a, b) in enumerate(bounds):
             g, chunk = j % P, j // P
             cap = self.tables.capacity(sk.kinds[g].pool) \
-                - self.tables.fixed_bytes(sk.kinds[g].pool, sk.groups[g], P)
+                - self.tables.fixed_bytes(sk.kinds[g].pool, sk.groups[g], P, sk.ep)
             budget = (cap - self.tables.dynamic_factor * self._transient_reserve(sk, g, st, qs)) \
                 * shares[g][chunk]
             base, act = self._states_mats(sk, g, st)

@@ -20,6 +20,7 @@ from autoplan.cluster import Cluster
 from autoplan.models.spec import ModelSpec
 from autoplan.plan import DeviceGroup
 from autoplan.units import DTYPE_BYTES, GiB
+from costmodel import experts
 from costmodel.comm import collective_time, p2p_time
 from costmodel.compute import layer_timing
 from costmodel.context import context_shard, stage_exchange
@@ -49,6 +50,9 @@ class Kind:
     """Context-parallel degree (ranks splitting each sequence)."""
     cp_comm: str = "p2p"
     """The context-parallel exchange (autoplan.plan.CP_COMMS); only meaningful when cp > 1."""
+    ep: int = 1
+    """Expert-parallel degree of the plan (mixture-of-experts models; the same in every group):
+    it changes expert units' GEMMs, their all-to-all and the expert states a GPU holds."""
 
 
 @dataclass
@@ -73,7 +77,12 @@ class LayerTable:
     backward_weight: np.ndarray
     """Weight-gradient seconds per micro-batch."""
     params: np.ndarray
-    """Parameters per GPU (tensor-parallel shard)."""
+    """Parameters per GPU (tensor-parallel shard; 1/ep of the routed experts)."""
+    zero_params: np.ndarray
+    """Parameters ZeRO divides by the data-parallel degree (dense ones over dp ranks, experts
+    over the dp / ep ranks holding them: together the unit's whole tensor-parallel shard)."""
+    expert_params: np.ndarray
+    """Routed-expert parameters per GPU (reduced over the expert data-parallel groups)."""
     cast_params: np.ndarray
     """Parameters a matmul reads (all but embedding tables): what a stack that casts fp32
     weights to half precision copies."""
@@ -88,6 +97,8 @@ class LayerTable:
     cum_backward_input: np.ndarray
     cum_backward_weight: np.ndarray
     cum_params: np.ndarray
+    cum_zero_params: np.ndarray
+    cum_expert_params: np.ndarray
     cum_cast_params: np.ndarray
     cum_activation: np.ndarray
     max_params: np.ndarray
@@ -107,7 +118,8 @@ class LayerTable:
         them one stage at a time is several times faster than indexing the arrays."""
         return {name: getattr(self, name).tolist() for name in (
             "cum_forward", "cum_backward_input", "cum_backward_weight", "cum_params", "cum_cast_params",
-            "cum_activation", "output_bytes", "max_params", "max_transient")}
+            "cum_activation", "output_bytes", "max_params", "max_transient", "cum_expert_params",
+            "cum_zero_params")}
 
 
 def _range_max(x: np.ndarray) -> np.ndarray:
@@ -170,14 +182,17 @@ class Tables:
 
     def _build(self, kind: Kind, b: int, sp: bool) -> LayerTable:
         self.built += 1
-        model, dtype, tp, cp = self.model, self.dtype, kind.tp, kind.cp
+        model, dtype, tp, cp, ep = self.model, self.dtype, kind.tp, kind.cp, kind.ep
         dev = self.cluster.groups[kind.pool].device
         first = self._pool_first[kind.pool]
         tp_ranks = tuple(range(first, first + tp))
         # One replica's tp x cp ranks sit together (tensor fastest): its context rings.
         cp_groups = [tuple(first + c * tp + t for c in range(cp)) for t in range(tp)]
+        # An expert-parallel group: ep consecutive (replica, sequence shard) positions of the
+        # pool's first tensor shard.
+        ep_ranks = tuple(first + j * tp for j in range(ep))
         n = model.num_layers
-        fwd, tpf, bw, params, cast, out = (np.zeros(n) for _ in range(6))
+        fwd, tpf, bw, params, cast, out, zparams, eparams = (np.zeros(n) for _ in range(8))
         stack = self.stack
         eff, scale, label = device_timing_inputs(dev, self.options)
         bi = np.zeros((3, n))
@@ -192,7 +207,9 @@ class Tables:
             row = memo.get(memo_key)
             if row is None:
                 layer = context_shard(layer, cp)   # this rank's share of the sequence
-                t = layer_timing(dev, layer, b, tp, sp, dtype, self.profiles, stack.attention, eff)
+                load = experts.expert_load(layer.experts, ep, b * (model.tokens_per_sample or model.seq_len) / cp,
+                                           self.options.expert_load)
+                t = layer_timing(dev, layer, b, tp, sp, dtype, self.profiles, stack.attention, eff, ep, load)
                 tp_comm = 0.0
                 if tp > 1:
                     # As costmodel.estimate.stage_costs: row-parallel outputs all-reduced; the
@@ -204,6 +221,9 @@ class Tables:
                             self.cluster, tp_ranks, b * size, "all_reduce")
                     if layer.kind == "head" and layer.tp_allreduces_fwd and not stack.vocab_parallel_loss:
                         tp_comm += collective_time(self.cluster, tp_ranks, b * layer.output_bytes, "all_gather")
+                # Expert units dispatch and combine by all-to-all, twice each way (as
+                # costmodel.estimate.stage_costs).
+                ep_comm = 2 * experts.dispatch_time(self.cluster, [ep_ranks], layer, b, load) if ep > 1 else 0.0
                 tp_back = tp_comm
                 if tp > 1:
                     # The collectives of a unit under operator layouts (forward and backward apart).
@@ -215,21 +235,23 @@ class Tables:
                 cp_f, cp_b, buffers = stage_exchange(self.cluster, cp_groups, kind.cp_comm, model, [layer], [dev],
                                                      b, tp, dtype, self.weight_bytes, stack.overlap_cp_exchange,
                                                      stack.attention)
-                # The cost model repeats the forward's tensor-parallel collectives when a
-                # fully recomputed unit re-runs its forward, and the context exchange when
-                # any recomputation re-runs its attention.
+                # The cost model repeats the forward's tensor-parallel collectives (and expert
+                # all-to-alls) when a fully recomputed unit re-runs its forward, and the context
+                # exchange when any recomputation re-runs its attention.
                 bi_q = tuple(bwi + rec[q] + tp_back + (tp_comm if q == 2 else 0.0) + cp_b + (cp_f if q else 0.0)
-                             for q in range(3))
-                act_q = tuple(self._act_scale * activation_bytes([layer], m, b, tp, sp, stack, dtype)
+                             + ep_comm * (2 if q == 2 else 1) for q in range(3))
+                act_q = tuple(self._act_scale * activation_bytes([layer], m, b, tp, sp, stack, dtype, load)
                               for m in RECOMPUTES)
-                trans_q = tuple(self._act_scale * transient_bytes([layer], m, b, tp, sp, stack, dtype) + buffers
-                                for m in RECOMPUTES)
+                trans_q = tuple(self._act_scale * transient_bytes([layer], m, b, tp, sp, stack, dtype, ep, load)
+                                + buffers for m in RECOMPUTES)
                 src = label if label and t.source == "roofline" else t.source
-                row = (f + tp_comm + cp_f, tp_comm, bi_q, bww, layer.params.at(tp),
-                       layer.params.at(tp) if layer.kind != "embedding" else 0.0,
-                       b * layer.output_bytes, act_q, trans_q, src)
+                held, whole = experts.state_params([layer], tp, ep)
+                row = (f + tp_comm + cp_f + ep_comm, tp_comm, bi_q, bww, held,
+                       held if layer.kind != "embedding" else 0.0,
+                       b * layer.output_bytes, act_q, trans_q, src, whole, experts.expert_params([layer], tp) / ep)
                 memo[memo_key] = row
-            fwd[i], tpf[i], bi_q, bw[i], params[i], cast[i], out[i], act_q, trans_q, src = row
+            (fwd[i], tpf[i], bi_q, bw[i], params[i], cast[i], out[i], act_q, trans_q, src, zparams[i],
+             eparams[i]) = row
             bi[:, i], act[:, i], trans[:, i] = bi_q, act_q, trans_q
             sources.add(src)
 
@@ -237,7 +259,9 @@ class Tables:
             return np.concatenate((np.zeros(x.shape[:-1] + (1,)), np.cumsum(x, axis=-1)), axis=-1)
 
         return LayerTable(kind=kind, micro_batch=b, sequence_parallel=sp, forward=fwd, tp_forward=tpf,
-                          backward_input=bi, backward_weight=bw, params=params, cast_params=cast, activation=act,
+                          backward_input=bi, backward_weight=bw, params=params, zero_params=zparams,
+                          expert_params=eparams, cum_zero_params=cum(zparams), cum_expert_params=cum(eparams),
+                          cast_params=cast, activation=act,
                           transient=trans, output_bytes=out, cum_forward=cum(fwd), cum_tp_forward=cum(tpf),
                           cum_backward_input=cum(bi), cum_backward_weight=cum(bw), cum_params=cum(params),
                           cum_cast_params=cum(cast), cum_activation=cum(act), max_params=_range_max(params),
@@ -245,11 +269,19 @@ class Tables:
                           sources=frozenset(sources))
 
     # ------------------------------------------------------------ states
-    def state_bytes(self, params: float | np.ndarray, max_params: float | np.ndarray, dp: int, zero: int):
+    def state_bytes(self, params: float | np.ndarray, max_params: float | np.ndarray, dp: int, zero: int,
+                    sharded: float | np.ndarray | None = None):
         """Weights + gradients + optimizer states (+ the ZeRO-3 working set) per GPU, as
-        ``costmodel.memory.model_state_bytes`` counts them under the tables' stack."""
+        ``costmodel.memory.model_state_bytes`` counts them under the tables' stack.
+        ``sharded``: the parameters ZeRO divides by dp (``zero_params``; default ``params``,
+        exact without expert parallelism, a lower bound with it)."""
         stack = self.stack
-        total = params * stack.state_bytes_per_param(dp, zero)
+        if sharded is not None and zero >= 1:
+            per = lambda stage: sharded / dp if zero >= stage else params  # noqa: E731
+            total = (per(3) * stack.weights_bytes_per_param + per(2) * stack.gradient_bytes_per_param
+                     + per(1) * (stack.master_weights_bytes_per_param + stack.optimizer_bytes_per_param))
+        else:
+            total = params * stack.state_bytes_per_param(dp, zero)
         if zero >= 3 and dp > 1:
             total = total + 2 * max_params * stack.gathered_weights_bytes_per_param
         return total
@@ -261,9 +293,10 @@ class Tables:
             return 0.0 * cast_params
         return cast_params * self.stack.weight_cast_bytes_per_param
 
-    def step_bytes(self, params: float | np.ndarray, dp: int, zero: int):
+    def step_bytes(self, params: float | np.ndarray, dp: int, zero: int, sharded=None):
         """Optimizer-step temporaries per GPU (``costmodel.memory.optimizer_step_bytes``)."""
-        return params / (dp if zero >= 1 else 1) * self.stack.optimizer_step_bytes_per_param
+        local = ((params if sharded is None else sharded) / dp) if zero >= 1 else params
+        return local * self.stack.optimizer_step_bytes_per_param
 
     def capacity(self, pool: int) -> float:
         """Memory the search lets a GPU of ``pool`` fill: its capacity less the options'
@@ -274,7 +307,7 @@ class Tables:
     def accelerator(self, pool: int) -> bool:
         return not self.cluster.groups[pool].device.name.upper().startswith("CPU")
 
-    def fixed_bytes(self, pool: int, group: DeviceGroup | None = None, pp: int = 1) -> float:
+    def fixed_bytes(self, pool: int, group: DeviceGroup | None = None, pp: int = 1, ep: int = 1) -> float:
         """Bytes outside states and the dynamic working set on a GPU of ``pool``: CUDA
         context, NCCL buffers per communicator and the stack's data-parallel buckets (as
         ``costmodel.memory.group_memory``). Without a group: the context alone, a lower
@@ -285,7 +318,7 @@ class Tables:
         if group is None:
             return stack.cuda_context_bytes + min(self._extra_bytes, 0.0)
         shards = group.dp * group.cp   # gradients are reduced over data x context ranks
-        comms = (group.tp > 1) + (shards > 1) + (group.cp > 1) + (pp > 1)
+        comms = (group.tp > 1) + (shards > 1) + (group.cp > 1) + (pp > 1) + (ep > 1) + (ep > 1 and shards > ep)
         return (stack.cuda_context_bytes + comms * stack.nccl_bytes_per_group
                 + (stack.dp_buffer_bytes if shards > 1 else 0.0) + self._extra_bytes)
 
@@ -357,6 +390,12 @@ class Tables:
                 (a + b * nbytes if nbytes > 0 else 0.0)
             out = t if out is None else np.maximum(out, t)
         return out
+
+    def expert_dp_collective(self, group: DeviceGroup, ep: int, nbytes: float, kind: str) -> float:
+        """Slowest collective over the ranks of ``group`` that hold the same experts."""
+        if nbytes <= 0 or group.dp * group.cp <= ep:
+            return 0.0
+        return max(a + b * nbytes for a, b in {self.affine(tuple(r), kind) for r in group.expert_dp_groups(ep)})
 
     def p2p(self, src: DeviceGroup, dst: DeviceGroup, nbytes: float) -> float:
         """One micro-batch's activation from ``src`` to ``dst``: exactly the cost model's

@@ -24,6 +24,8 @@ The space (what ``search.search`` documents, docs/search.md "What is searched"):
   allow (rings: 2*cp chunks on causal models and fused attention; a2a: whole heads per rank);
 * ZeRO stages (only the smallest without data or context parallelism), sequence
   parallelism (only with tensor parallelism);
+* expert-parallel degrees: divisors of dp x cp that divide the model's experts (1 for a
+  dense model);
 * every contiguous split of the units into ``pp x v`` non-empty stages, and every
   assignment of an allowed recompute mode to every stage.
 """
@@ -54,6 +56,7 @@ class Space:
     cp: tuple[int, ...] | None = None
     cp_comm: tuple[str, ...] = CP_COMMS
     min_cp_tokens: int = 4096
+    ep: tuple[int, ...] | None = None
 
     def search_kwargs(self) -> dict:
         out = dict(schedules=list(self.schedules), recompute=list(self.recompute), zero=list(self.zero),
@@ -67,6 +70,8 @@ class Space:
             out["cp"] = list(self.cp)
         out["cp_comm"] = list(self.cp_comm)
         out["min_cp_tokens"] = self.min_cp_tokens
+        if self.ep is not None:
+            out["ep"] = list(self.ep)
         return out
 
 
@@ -167,18 +172,26 @@ def settings(model: ModelSpec, groups: tuple[DeviceGroup, ...], global_batch: in
                 yield b, m, schedule, v, zero, sp, comm
 
 
+def expert_degrees(model: ModelSpec, shards: int, space: Space) -> list[int]:
+    """Expert-parallel degrees over ``shards`` = dp x cp ranks."""
+    return [e for e in _divisors(shards) if (e == 1 or (model.num_experts and model.num_experts % e == 0))
+            and (space.ep is None or e in space.ep)]
+
+
 def best_plan(model: ModelSpec, cluster: Cluster, global_batch: int, space: Space):
     """(iteration seconds, plan, plans timed) of the fastest fitting plan, or (None, None, n)."""
     best_t, best_p, count = None, None, 0
     L = model.num_layers
     for groups in pipelines(model, cluster, global_batch, space):
         pp = len(groups)
-        for b, m, schedule, v, zero, sp, comm in settings(model, groups, global_batch, space):
+        for (b, m, schedule, v, zero, sp, comm), ep in itertools.product(
+                settings(model, groups, global_batch, space),
+                expert_degrees(model, groups[0].dp * groups[0].cp, space)):
             for split in _splits(L, pp * v):
                 for modes in itertools.product(space.recompute, repeat=pp * v):
                     stages = tuple(Stage(a, e, j % pp, r) for j, ((a, e), r) in enumerate(zip(split, modes)))
                     plan = Plan(groups=groups, stages=stages, micro_batch=b, num_micro_batches=m,
-                                schedule=schedule, virtual_stages=v, sequence_parallel=sp, zero=zero,
+                                schedule=schedule, virtual_stages=v, sequence_parallel=sp, zero=zero, ep=ep,
                                 dtype=model.dtype, model=model.name, seq_len=model.seq_len, cp_comm=comm)
                     est = estimate(model, cluster, plan)
                     count += 1

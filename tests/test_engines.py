@@ -222,6 +222,32 @@ def test_torchtitan_configs_load(torchtitan, tmp_path, case):
     assert config.parallelism.module_fqns_per_model_part[0][0] == "tok_embeddings"
 
 
+MOE_PRESETS = ["qwen3-30b-a3b", "deepseek-v2-lite", "deepseek-v3"]
+
+
+@pytest.mark.parametrize("name", MOE_PRESETS)
+def test_torchtitan_expert_parallel_configs_load(torchtitan, tmp_path, name):
+    """An expert-parallel plan of a mixture of experts torchtitan ships: its ConfigManager and
+    ParallelDims accept the degrees, and its own model agrees with the zoo's on the experts."""
+    model = autoplan.models.get(name)
+    plan = Plan.uniform(model, DGX_A100, tp=1, pp=2, dp=4, ep=4, micro_batch=1, global_batch=16, zero=3)
+    config = load_torchtitan(torchtitan, export(plan, "torchtitan", model).text, tmp_path, f"ep_{name}")
+    check_torchtitan(torchtitan, config, plan)
+    _, ParallelDims, _ = torchtitan
+    assert ParallelDims.from_config(config.parallelism, plan.num_gpus).ep == plan.ep
+    m, cfg = config.model_spec.model, model.config
+    assert (m.dim, m.vocab_size, len(m.layers)) == (cfg.hidden, cfg.vocab, cfg.layers)
+    assert [layer.moe is None for layer in m.layers] == [i < cfg.dense_layers for i in range(cfg.layers)]
+    moe = m.layers[-1].moe
+    assert (moe.num_experts, moe.routed_experts.token_dispatcher.top_k,
+            moe.routed_experts.inner_experts.hidden_dim) == (cfg.num_experts, cfg.top_k, cfg.moe_ffn_hidden)
+    shared = getattr(moe, "shared_experts", None)
+    assert (shared.w1.out_features if shared is not None else 0) == cfg.shared_ffn_hidden
+    if cfg.kv_lora_rank:
+        attn = m.layers[0].attention
+        assert (attn.kv_lora_rank, attn.q_lora_rank or 0) == (cfg.kv_lora_rank, cfg.q_lora_rank)
+
+
 def test_torchtitan_0_2_toml_loads(tmp_path):
     """With torchtitan 0.2.x installed in a folder (pip install --target DIR torchtitan==0.2.2;
     TORCHTITAN_0_2_PATH=DIR), its ConfigManager reads every 0.2 export."""
@@ -241,6 +267,27 @@ def test_torchtitan_0_2_toml_loads(tmp_path):
                           capture_output=True, text=True, timeout=600,
                           env={**os.environ, "PYTHONPATH": os.pathsep.join([path, os.environ.get("PYTHONPATH", "")])})
     assert proc.returncode == 0 and proc.stdout.count("ACCEPTED") == len(files), proc.stderr[-2000:]
+
+
+# ------------------------------------------------------------------------- mixtures of experts
+def test_megatron_expert_parallel_export_obeys_validate_args():
+    model = autoplan.models.get("mixtral-8x7b")
+    plan = Plan.uniform(model, DGX_A100, tp=2, pp=1, dp=4, ep=4, micro_batch=1, global_batch=16, zero=1,
+                        sequence_parallel=True)
+    argv, env = parse_script(export(plan, "megatron", model).text)
+    args = parse_args(argv)
+    assert broken_rules(argv, env, world_size=plan.num_gpus, arch=8) == []
+    assert (args.expert_model_parallel_size, args.num_experts, args.moe_router_topk) == (4, 8, 2)
+
+
+def test_deepspeed_expert_parallel_config_loads(deepspeed_config, monkeypatch):
+    """DeepSpeed-MoE's expert parallelism lives in the model code (deepspeed.moe.layer.MoE's
+    ep_size); the config the plan exports still loads with the plan's batch and ZeRO stage."""
+    module, _ = deepspeed_config
+    model = autoplan.models.get("moe-tiny")
+    plan = Plan.uniform(model, DGX_A100, tp=1, pp=1, dp=8, ep=4, micro_batch=1, global_batch=16, zero=2)
+    cfg = load_deepspeed(module, plan, export(plan, "deepspeed", model).text, monkeypatch)
+    assert (cfg.train_batch_size, cfg.zero_optimization_stage) == (16, 2)
 
 
 # ---------------------------------------------------------------------------- search --for

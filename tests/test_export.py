@@ -188,7 +188,16 @@ MODEL_FLAG_CASES = {
         position_embedding_type="learned_absolute", untie_embeddings_and_output_weights=False,
         attention_dropout=0.0, hidden_dropout=0.0)),
     "mixtral-experts": (lambda: model("mixtral-8x7b"), dict(num_experts=8, moe_router_topk=2, moe_ffn_hidden_size=14336,
-                                                          rotary_base=1000000, use_rope_scaling=False)),
+                                                          rotary_base=1000000, use_rope_scaling=False,
+                                                          moe_grouped_gemm=True, moe_token_dispatcher_type="alltoall",
+                                                          moe_router_load_balancing_type=["aux_loss"],
+                                                          moe_aux_loss_coeff=[0.02], multi_latent_attention=False,
+                                                          moe_shared_expert_intermediate_size=None,
+                                                          expert_model_parallel_size=1)),
+    "deepseek-shared-dense-first-latent": (lambda: model("deepseek-tiny", 8), dict(
+        num_experts=4, moe_ffn_hidden_size=32, moe_shared_expert_intermediate_size=32, moe_layer_freq="([0]*1+[1]*7)",
+        multi_latent_attention=True, q_lora_rank=32, kv_lora_rank=16, qk_head_dim=16, qk_pos_emb_head_dim=8,
+        v_head_dim=16, moe_router_pre_softmax=False)),
     "qkv-bias-only": (lambda: autoplan.models.get(QWEN_LIKE), dict(add_bias_linear=False, add_qkv_bias=True,
                                                                     rotary_base=1000000, layernorm_epsilon=1e-6)),
 }
@@ -479,3 +488,69 @@ def test_cli_search_for_an_engine_then_export(tmp_path, capsys):
     assert cli_main(["search", "--cluster", cluster, "--model", "llama-tiny", "--global-batch", "16", "--for",
                      "deepspeed", "--tp", "2"]) == 2
     assert "tp: allows only [2], none of which DeepSpeed" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------- mixture of experts
+def moe_plan(name="moe-tiny", tp=1, dp=4, ep=2, zero=1, **kw) -> Plan:
+    return Plan.uniform(model(name, 8), CLUSTER, tp=tp, pp=kw.pop("pp", 1), dp=dp, ep=ep, zero=zero,
+                        micro_batch=1, global_batch=16, **kw)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_megatron_expert_parallel_flags(tp):
+    plan = moe_plan(tp=tp, ep=2, sequence_parallel=tp > 1)
+    args, env, argv = megatron(plan, model("moe-tiny", 8))
+    assert args.expert_model_parallel_size == 2
+    # Experts are tensor-parallel like the rest (Megatron's default, written out).
+    assert args.expert_tensor_parallel_size == (tp if tp > 1 else None)
+    assert broken_rules(argv, env, world_size=plan.num_gpus) == []
+    dense, _, _ = megatron(uniform(tp=2, dp=2), model("llama-tiny", 8))
+    assert dense.expert_model_parallel_size == 1
+
+
+def test_megatron_capacity_factor_and_softmax_order():
+    spec = autoplan.models.get("moe-tiny", layers=8, capacity_factor=1.25, normalize_top_k=False)
+    plan = Plan.uniform(spec, CLUSTER, tp=1, pp=1, dp=2, ep=2, micro_batch=1, global_batch=16)
+    args, _, _ = megatron(plan, spec)
+    assert args.moe_expert_capacity_factor == 1.25 and args.moe_pad_expert_input_to_capacity
+    assert args.moe_router_pre_softmax
+
+
+def test_torchtitan_expert_parallel_degree():
+    cfg = tomllib.loads(export(moe_plan(ep=4, zero=3), "torchtitan", model("moe-tiny", 8), engine_version="0.2").text)
+    assert cfg["parallelism"]["expert_parallel_degree"] == 4
+    assert cfg["parallelism"]["data_parallel_shard_degree"] == 4
+
+
+def test_torchtitan_moe_presets_are_its_own_config_functions():
+    spec = autoplan.models.get("qwen3-30b-a3b")
+    plan = Plan.uniform(spec, CLUSTER, tp=1, pp=1, dp=16, ep=8, zero=3, micro_batch=1, global_batch=16)
+    out = export(plan, "torchtitan", spec)
+    compile(out.text, "job.py", "exec")
+    assert "from torchtitan.models.qwen3.config_registry import qwen3_30b_a3b" in out.text
+    assert "expert_parallel_degree=8" in out.text
+
+
+def test_deepspeed_moe_settings():
+    cfg = json.loads(export(moe_plan(ep=2), "deepspeed", model("moe-tiny", 8)).text)
+    assert cfg["autoplan_moe"] == {"num_experts": 4, "ep_size": 2, "k": 2, "capacity_factor": 1.0,
+                                   "drop_tokens": False}
+    assert "deepspeed.moe.layer.MoE" in cfg["comment"]
+
+
+MOE_REFUSALS = {
+    "megatron-fsdp2-with-ep": ("megatron", lambda: moe_plan(ep=2, zero=3), "moe-tiny", "zero"),
+    "megatron-ep-tp-without-sp": ("megatron", lambda: moe_plan(tp=2, ep=2), "moe-tiny", "sequence_parallel"),
+    "torchtitan-ep-with-tp": ("torchtitan", lambda: moe_plan(tp=2, ep=2, zero=3, sequence_parallel=True),
+                              "moe-tiny", "ep"),
+    "torchtitan-ep-replicated": ("torchtitan", lambda: moe_plan(ep=2, zero=0), "moe-tiny", "zero"),
+    "deepspeed-moe-zero3": ("deepspeed", lambda: moe_plan(ep=2, zero=3), "moe-tiny", "zero"),
+    "deepspeed-shared-experts": ("deepspeed", lambda: moe_plan("deepseek-tiny", ep=2), "deepseek-tiny", "model"),
+}
+
+
+@pytest.mark.parametrize("target,make,name,field", MOE_REFUSALS.values(), ids=list(MOE_REFUSALS))
+def test_inexpressible_moe_plans_are_refused(target, make, name, field):
+    with pytest.raises(ConfigError) as err:
+        export(make(), target, model(name, 8))
+    assert err.value.field == field and ("nearest" in err.value.fix or "export --to" in err.value.fix)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from pathlib import Path
 
 import pytest
 
@@ -59,6 +60,35 @@ PYTHIA_160M = {
     "model_type": "gpt_neox", "num_attention_heads": 12, "num_hidden_layers": 12,
     "rotary_pct": 0.25, "tie_word_embeddings": False, "vocab_size": 50304,
 }
+QWEN1_5_MOE_A2_7B = {
+    "architectures": ["Qwen2MoeForCausalLM"], "decoder_sparse_step": 1, "hidden_size": 2048,
+    "intermediate_size": 5632, "max_position_embeddings": 8192, "model_type": "qwen2_moe",
+    "moe_intermediate_size": 1408, "norm_topk_prob": False, "num_attention_heads": 16, "num_experts": 60,
+    "num_experts_per_tok": 4, "num_hidden_layers": 24, "num_key_value_heads": 16,
+    "rms_norm_eps": 1e-06, "rope_theta": 1000000.0, "router_aux_loss_coef": 0.001,
+    "shared_expert_intermediate_size": 5632, "tie_word_embeddings": False, "vocab_size": 151936,
+}
+QWEN3_30B_A3B = {
+    "architectures": ["Qwen3MoeForCausalLM"], "decoder_sparse_step": 1, "head_dim": 128, "hidden_size": 2048,
+    "intermediate_size": 6144, "max_position_embeddings": 40960, "mlp_only_layers": [],
+    "model_type": "qwen3_moe", "moe_intermediate_size": 768, "norm_topk_prob": True,
+    "num_attention_heads": 32, "num_experts": 128, "num_experts_per_tok": 8, "num_hidden_layers": 48,
+    "num_key_value_heads": 4, "rms_norm_eps": 1e-06, "rope_theta": 1000000.0, "router_aux_loss_coef": 0.001,
+    "tie_word_embeddings": False, "vocab_size": 151936,
+}
+DEEPSEEK_V2_LITE = {
+    "architectures": ["DeepseekV2ForCausalLM"], "aux_loss_alpha": 0.001, "first_k_dense_replace": 1,
+    "hidden_size": 2048, "intermediate_size": 10944, "kv_lora_rank": 512, "max_position_embeddings": 163840,
+    "model_type": "deepseek_v2", "moe_intermediate_size": 1408, "moe_layer_freq": 1, "n_routed_experts": 64,
+    "n_shared_experts": 2, "norm_topk_prob": False, "num_attention_heads": 16, "num_experts_per_tok": 6,
+    "num_hidden_layers": 27, "num_key_value_heads": 16, "q_lora_rank": None, "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64, "rms_norm_eps": 1e-06, "rope_theta": 10000,
+    "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 0.707, "mscale_all_dim": 0.707,
+                     "original_max_position_embeddings": 4096, "type": "yarn"},
+    "tie_word_embeddings": False, "topk_method": "greedy", "v_head_dim": 128, "vocab_size": 102400,
+}
+# The complete published DeepSeek-V3 config.json ships as an example.
+DEEPSEEK_V3 = json.loads((Path(__file__).parents[1] / "examples/models/deepseek-v3/config.json").read_text())
 
 # case -> (config.json, overrides, preset it must equal (or None), expected fields)
 GOOD = {
@@ -77,6 +107,12 @@ GOOD = {
                                                 tie_embeddings=False)),
     "explicit-head-dim": ({**MISTRAL_7B, "head_dim": 64}, {}, None, dict(head_dim=64, heads=32)),
     "overrides": (LLAMA3_8B, {"layers": 2, "attention": "math"}, None, dict(layers=2, attention="math")),
+    "qwen1.5-moe-a2.7b": (QWEN1_5_MOE_A2_7B, {}, "qwen1.5-moe-a2.7b", dict(shared_ffn_hidden=5632,
+                                                                        normalize_top_k=False)),
+    "qwen3-30b-a3b": (QWEN3_30B_A3B, {}, "qwen3-30b-a3b", dict(moe_ffn_hidden=768, head_dim=128, dense_layers=0)),
+    "deepseek-v2-lite": (DEEPSEEK_V2_LITE, {}, "deepseek-v2-lite", dict(q_lora_rank=0, shared_ffn_hidden=2816)),
+    "deepseek-v3": (DEEPSEEK_V3, {}, "deepseek-v3", dict(dense_layers=3, kv_lora_rank=512, rope_head_dim=64)),
+    "moe-capacity-override": (MIXTRAL_8X7B, {"capacity_factor": 1.25}, None, dict(capacity_factor=1.25)),
 }
 
 
@@ -117,8 +153,8 @@ BAD = {
     # A mixture-of-experts family must not be read as its dense neighbour (qwen2 for
     # qwen3_moe would plan a model several times too small): no "did you mean", and
     # expert keys under a dense model_type are refused.
-    "moe-family-unsupported": ({**LLAMA3_8B, "model_type": "qwen3_moe", "num_experts": 128,
-                                "moe_intermediate_size": 768, "num_experts_per_tok": 8},
+    "moe-family-unsupported": ({**LLAMA3_8B, "model_type": "olmoe", "num_experts": 64,
+                                "moe_intermediate_size": 1024, "num_experts_per_tok": 8},
                                "model_type", "mixture-of-experts layers (num_experts"),
     "experts-under-dense-type": ({**LLAMA3_8B, "model_type": "qwen2", "num_experts": 128,
                                   "num_experts_per_tok": 8}, "num_experts", "dense family"),
@@ -133,6 +169,12 @@ BAD = {
     "negative-rope-factor": ({**LLAMA31_8B, "rope_scaling": {"rope_type": "llama3", "factor": -1}},
                              "rope_scaling.factor", "> 0"),
     "zero-norm-eps": ({**LLAMA3_8B, "rms_norm_eps": 0}, "rms_norm_eps", "> 0"),
+    "qwen-interleaved-dense": ({**QWEN3_30B_A3B, "mlp_only_layers": [3, 7]}, "mlp_only_layers", "interleaves"),
+    "qwen-sparse-step": ({**QWEN1_5_MOE_A2_7B, "decoder_sparse_step": 2}, "decoder_sparse_step", "interleaves"),
+    "deepseek-layer-freq": ({**DEEPSEEK_V3, "moe_layer_freq": 2}, "moe_layer_freq", "interleaved"),
+    "deepseek-missing-rope-dim": (_without(DEEPSEEK_V3, "qk_rope_head_dim"), "qk_rope_head_dim", "required"),
+    "deepseek-all-dense": ({**DEEPSEEK_V3, "first_k_dense_replace": 61}, "first_k_dense_replace", "no expert"),
+    "negative-aux-loss": ({**MIXTRAL_8X7B, "router_aux_loss_coef": -1}, "router_aux_loss_coef", ">= 0"),
     "not-an-object": ("[1, 2]", "config.json", "expected an object"),
     "bad-json-file": ("{\"model_type\": \"llama\",", "config.json", "not valid JSON"),
     "not-json-at-all": ("model_type = llama", "config.json", "not valid JSON"),

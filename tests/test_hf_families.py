@@ -32,6 +32,8 @@ PUBLISHED = {
     "olmo-2-1124-7b": (7.3e9, "Hugging Face Hub, allenai/OLMo-2-1124-7B: 7.3B params"),
     "qwen2.5-7b": (7.61e9, "Qwen/Qwen2.5-7B model card: 7.61B"),
     "qwen2.5-0.5b": (494e6, "Hugging Face Hub, Qwen/Qwen2.5-0.5B: 494M params (model card: 0.49B)"),
+    "deepseek-v3": (671e9, "DeepSeek-AI 2024, DeepSeek-V3 Technical Report (arXiv 2412.19437): 671B total "
+                           "(the 14B multi-token-prediction module excluded)"),
 }
 PARAM_TOLERANCE = 1e-3
 

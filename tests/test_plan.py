@@ -109,3 +109,49 @@ def test_plan_not_covering_model(model, cluster, tmp_path):
     d["stages"][-1]["layers"][1] -= 1
     with pytest.raises(autoplan.ConfigError, match="every unit needs a stage"):
         autoplan.Plan.from_dict(d).validate(model, cluster)
+
+
+# -------------------------------------------------------------- expert parallelism
+@pytest.fixture(scope="module")
+def moe():
+    return autoplan.models.get("mixtral-8x7b")  # 8 experts, 8 kv heads
+
+
+def test_expert_parallel_groups(moe, cluster):
+    plan = autoplan.Plan.uniform(moe, cluster, tp=2, pp=1, dp=8, micro_batch=1, global_batch=16, ep=4)
+    g = plan.groups[0]
+    # dp-major layout, tp fastest: replica d, shard t is rank 2d + t. Experts go to runs of 4
+    # consecutive replicas (per tensor shard); the same experts sit 4 replicas apart.
+    assert g.ep_groups(4) == [(0, 2, 4, 6), (8, 10, 12, 14), (1, 3, 5, 7), (9, 11, 13, 15)]
+    assert g.expert_dp_groups(4) == [(0, 8), (2, 10), (4, 12), (6, 14), (1, 9), (3, 11), (5, 13), (7, 15)]
+    assert "ep=4" in plan.describe() and "ep=" not in autoplan.Plan.uniform(
+        moe, cluster, tp=2, pp=1, dp=8, micro_batch=1, global_batch=16).describe()
+
+
+BAD_EP = [
+    ("ep-over-dp", dict(tp=2, dp=2, ep=4), "ep", "does not divide the 2 data-parallel"),
+    ("ep-not-dividing-experts", dict(tp=1, dp=12, ep=12), "ep", "8 experts"),
+    ("ep-zero", dict(tp=2, dp=2, ep=0), "ep", "positive integer"),
+]
+
+
+@pytest.mark.parametrize("change,field,words", [c[1:] for c in BAD_EP], ids=[c[0] for c in BAD_EP])
+def test_bad_expert_parallel_degree_names_field(moe, cluster, change, field, words):
+    with pytest.raises(autoplan.ConfigError) as e:
+        autoplan.Plan.uniform(moe, cluster, pp=1, micro_batch=1, global_batch=24, **change)
+    assert e.value.field == field and words in str(e.value)
+
+
+def test_expert_parallel_needs_experts(model, cluster):
+    with pytest.raises(autoplan.ConfigError, match="has no routed experts"):
+        autoplan.Plan.uniform(model, cluster, tp=1, pp=1, dp=4, micro_batch=1, global_batch=4, ep=2)
+
+
+def test_schema_version_1_files_read_with_ep_1(moe, cluster, tmp_path):
+    plan = autoplan.Plan.uniform(moe, cluster, tp=2, pp=1, dp=4, micro_batch=1, global_batch=8, ep=2)
+    d = plan.to_dict()
+    assert d["schema_version"] == 2 and d["ep"] == 2
+    assert autoplan.Plan.from_dict(d) == plan
+    old = {k: v for k, v in d.items() if k != "ep"}
+    old["schema_version"] = 1
+    assert autoplan.Plan.from_dict(old).ep == 1

@@ -49,7 +49,14 @@ SHAPES = {
     "llama3-405b": dict(layers=126, hidden=16384, heads=128, kv_heads=8, ffn_hidden=53248,
                         vocab=128256, seq_len=8192),
     "bert-large": dict(layers=24, hidden=1024, heads=16, causal=False, vocab=30522, seq_len=512),
-    "mixtral-8x7b": dict(arch="moe", num_experts=8, top_k=2, kv_heads=8, ffn_hidden=14336),
+    "mixtral-8x7b": dict(arch="moe", num_experts=8, top_k=2, kv_heads=8, ffn_hidden=14336,
+                         moe_ffn_hidden=14336, capacity_factor=None),
+    "qwen3-235b-a22b": dict(layers=94, hidden=4096, heads=64, kv_heads=4, head_dim=128, num_experts=128,
+                            top_k=8, moe_ffn_hidden=1536, shared_ffn_hidden=0, dense_layers=0),
+    "deepseek-v3": dict(layers=61, hidden=7168, heads=128, kv_heads=128, head_dim=128, rope_head_dim=64,
+                        v_head_dim=128, kv_lora_rank=512, q_lora_rank=1536, num_experts=256, top_k=8,
+                        moe_ffn_hidden=2048, shared_ffn_hidden=2048, dense_layers=3, ffn_hidden=18432,
+                        vocab=129280),
     "llama-tiny": dict(layers=2, hidden=64, heads=4, kv_heads=2, vocab=256, seq_len=32),
     "swin-t": dict(embed_dim=96, depths=(2, 2, 6, 2), heads=(3, 6, 12, 24), window=7, seq_len=3136),
 }
@@ -84,6 +91,12 @@ BAD_LOOKUPS = {
     "init-false-field": ("swin-t", {"arch": "gpt"}, "arch", "is not a field of SwinConfig"),
     "invalid-override-value": ("gpt2-small", {"layers": 0}, "layers", "positive integer"),
     "kv-heads-not-dividing": ("llama3-8b", {"kv_heads": 5}, "kv_heads", "multiple"),
+    "experts-on-a-dense-model": ("llama3-8b", {"num_experts": 8}, "num_experts", "arch is 'llama'"),
+    "all-blocks-dense": ("deepseek-tiny", {"dense_layers": 3}, "dense_layers", "no expert block"),
+    "zero-capacity": ("moe-tiny", {"capacity_factor": 0}, "capacity_factor", "> 0"),
+    "latent-attention-without-rope-part": ("deepseek-tiny", {"rope_head_dim": 0}, "rope_head_dim", "rotary"),
+    "latent-attention-grouped-kv": ("deepseek-tiny", {"kv_heads": 2}, "kv_heads", "must equal heads"),
+    "rope-part-without-latent": ("moe-tiny", {"rope_head_dim": 8}, "kv_lora_rank", "turns off"),
     "swin-window-not-dividing": ("swin-t", {"window": 5}, "window", "does not divide"),
 }
 
@@ -103,6 +116,7 @@ def test_list_presets():
     assert all(n == n.lower() for n in names)
     for required in ("gpt2-small", "gpt3-175b", "llama2-7b", "llama3-405b", "bert-base",
                      "mixtral-8x7b", "swin-t", "swin-b", "gpt-tiny", "llama-tiny", "moe-tiny",
-                     "bert-tiny", "swin-tiny-test"):
+                     "bert-tiny", "swin-tiny-test", "mixtral-8x22b", "qwen3-30b-a3b", "qwen3-235b-a22b",
+                     "deepseek-v2", "deepseek-v3", "deepseek-tiny"):
         assert required in names
     assert all(isinstance(PRESETS[n], (TransformerConfig, SwinConfig)) for n in names)

@@ -1,7 +1,8 @@
 """The runtime computes what one process computes: for every way of splitting a small
 GPT/Llama (data, ZeRO, tensor + sequence, pipeline with each schedule, and their
-products), the gradients after one step equal a single-process reference on the whole
-global batch, and the losses over a few optimizer steps match.
+products) and a small mixture of experts (expert parallelism with each of those), the
+gradients after one step equal a single-process reference on the whole global batch, and
+the losses (and load-balancing losses) over a few optimizer steps match.
 
 Cases run in one spawned process group per world size (process start-up dominates on
 a small machine); each rank writes its results to a file and the checks read those.
@@ -34,14 +35,15 @@ LOSS_ATOL = 1e-5
 
 
 def make_plan(pp=1, dp=1, tp=1, bounds=((0, 4),), mb=1, m=2, schedule="1f1b", v=1, zero=0, sp=False,
-              recompute="none", cp=1, cp_comm="p2p") -> Plan:
+              recompute="none", cp=1, cp_comm="p2p", ep=1) -> Plan:
     """Ranks pipeline-major, then data, then context, tensor fastest (Plan's layout)."""
     per = dp * cp * tp
     groups = tuple(DeviceGroup(tuple(range(p * per, (p + 1) * per)), tp, cp) for p in range(pp))
     modes = recompute if isinstance(recompute, (list, tuple)) else [recompute] * len(bounds)
     stages = tuple(Stage(a, b, i % pp, modes[i]) for i, (a, b) in enumerate(bounds))
     return Plan(groups=groups, stages=stages, micro_batch=mb, num_micro_batches=m, schedule=schedule,
-                virtual_stages=v, zero=zero, sequence_parallel=sp, dtype="fp32", cp_comm=cp_comm).validate()
+                virtual_stages=v, zero=zero, sequence_parallel=sp, dtype="fp32", cp_comm=cp_comm,
+                ep=ep).validate()
 
 
 # name -> (model preset, plan). gpt-tiny: tied embeddings, learned positions, biases,
@@ -67,6 +69,15 @@ CASES_2 = {
     "moe-tp-sp": ("moe-tiny", make_plan(tp=2, m=2, sp=True)),
     "bert-tp-sp": ("bert-tiny", make_plan(tp=2, m=2, sp=True)),
     "swin-tp": ("swin-tiny-test", make_plan(tp=2, m=2, bounds=((0, 10),))),
+    # Mixtures of experts: experts split over the data-parallel ranks (EP x DP), and DeepSeek's
+    # latent attention (its shared rotary key) with experts under TP + SP.
+    "ep-x-dp": ("moe-tiny", make_plan(dp=2, m=2, ep=2)),
+    "ep-x-dp-zero3": ("moe-tiny", make_plan(dp=2, m=2, ep=2, zero=3, recompute="full")),
+    "deepseek-tp-sp": ("deepseek-tiny", make_plan(tp=2, m=2, sp=True, bounds=((0, 5),))),
+    # The same plan under both load-balancing losses; GPipe runs every forward before the
+    # first backward, so the global batch's expert counts are complete when backward reads them.
+    "lbl-micro": ("moe-tiny", make_plan(dp=2, m=2, ep=2, schedule="gpipe"), {"load_balancing": "micro"}),
+    "lbl-global": ("moe-tiny", make_plan(dp=2, m=2, ep=2, schedule="gpipe"), {"load_balancing": "global"}),
     # Current families: Qwen3's per-head q/k norm under TP (a replicated weight over sharded
     # heads), Gemma 2's windows, soft-caps, sandwich norms and scaled tied table under TP + SP,
     # OLMo 2's norm layout under ZeRO.
@@ -92,6 +103,16 @@ CASES_4 = {
     "cp-a2a-x-dp-ddp": ("qwen3-tiny", make_plan(dp=2, cp=2, m=1, mb=2, cp_comm="a2a")),
     "pp-x-tp-interleaved-sp": ("gpt-tiny", make_plan(pp=2, tp=2, v=2, bounds=((0, 1), (1, 2), (2, 3), (3, 4)),
                                                      m=2, schedule="interleaved-1f1b", sp=True)),
+    "ep4-x-dp4": ("moe-tiny", make_plan(dp=4, m=1, ep=4)),                      # one expert per rank
+    "ep2-x-dp4-zero1": ("moe-tiny", make_plan(dp=4, m=1, ep=2, zero=1)),         # experts on 2 ranks each
+    "ep-x-pp-1f1b": ("moe-tiny", make_plan(pp=2, dp=2, ep=2, bounds=((0, 2), (2, 4)), m=2, zero=1)),
+    "ep-x-pp-gpipe-global": ("moe-tiny", make_plan(pp=2, dp=2, ep=2, bounds=((0, 2), (2, 4)), m=2,
+                                                   schedule="gpipe", recompute="full"), {"load_balancing": "global"}),
+    "ep-x-tp-sp-deepseek": ("deepseek-tiny", make_plan(dp=2, tp=2, ep=2, m=2, sp=True, bounds=((0, 5),),
+                                                       recompute="selective")),
+    "ep-x-pp-zero-bubble-deepseek": ("deepseek-tiny", make_plan(pp=2, dp=2, ep=2, bounds=((0, 2), (2, 5)), m=2,
+                                                                schedule="zero-bubble", zero=1,
+                                                                recompute=("none", "full"))),
 }
 CASES_8 = {
     "pp-x-tp-x-dp-1f1b-zero1-sp": ("llama-tiny", make_plan(pp=2, dp=2, tp=2, bounds=((0, 2), (2, 4)), m=2,
@@ -109,17 +130,21 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _equivalence(rank: int, model: str, plan: Plan) -> dict:
+def _equivalence(rank: int, model: str, plan: Plan, options: dict | None = None) -> dict:
     """STEPS steps of clipped SGD with momentum; grads of step 1 gathered in full."""
     from autoplan.runtime.trainer import Trainer, TrainOptions
 
     trainer = Trainer(plan, model, TrainOptions(steps=STEPS, optimizer="sgd", lr=LR, momentum=MOMENTUM,
-                                                max_grad_norm=MAX_GRAD_NORM, seed=SEED), log=None)
+                                                max_grad_norm=MAX_GRAD_NORM, seed=SEED, **(options or {})),
+                      log=None)
     grads: dict = {}
     records = [trainer.train_step(inspect=lambda t: grads.update(t.gradients()))]
     records += [trainer.train_step() for _ in range(STEPS - 1)]
     lay = trainer.layout
+    local_experts = {n: tuple(p.to_local().shape) for n, p in trainer.params.items()
+                     if n.endswith("experts.w1") and hasattr(p, "to_local")}
     return {"losses": [r.loss for r in records], "grad_norms": [r.grad_norm for r in records],
+            "load_balancing": [r.load_balancing_loss for r in records], "local_experts": local_experts,
             "grads": grads if lay.dp_rank == 0 and lay.cp_rank == 0 and lay.tp_rank == 0 else {}}
 
 
@@ -154,6 +179,31 @@ def _reshard(rank: int, ckpt: str) -> dict:
     return result
 
 
+# Expert-parallel checkpoints load under plans without expert parallelism (same micro-batches,
+# so the per-micro-batch routing and load-balancing loss are the same computation).
+MOE_SAVE_PLAN = make_plan(dp=2, m=2, ep=2, zero=1)
+MOE_LOAD_PLANS = {"moe-dp2-ep1-replicate": make_plan(dp=2, m=2), "moe-tp2": make_plan(tp=2, m=4)}
+
+
+def _moe_reshard(rank: int, ckpt: str) -> dict:
+    from autoplan.runtime.trainer import Trainer, TrainOptions
+
+    opts = TrainOptions(steps=RESHARD_STEPS, optimizer="adamw", lr=3e-3, eps=1e-6, seed=5)
+    base = Trainer(MOE_SAVE_PLAN, "moe-tiny", opts, log=None)
+    losses = [base.train_step().loss for _ in range(2)]
+    base.save(ckpt)
+    saved = base.parameters_full()
+    losses += [base.train_step().loss for _ in range(RESHARD_STEPS - 2)]
+    result: dict = {"uninterrupted": losses}
+    for name, plan in MOE_LOAD_PLANS.items():
+        t = Trainer(plan, "moe-tiny", dataclasses.replace(opts, checkpoint_dir=ckpt), log=None)
+        result[f"{name}.resumed_at"] = t.maybe_resume()
+        loaded = t.parameters_full()
+        result[f"{name}.params_equal"] = all(torch.equal(loaded[k], saved[k]) for k in loaded)
+        result[name] = [t.train_step().loss for _ in range(RESHARD_STEPS - 2)]
+    return result
+
+
 # --------------------------- the uninterrupted twin of the CLI's killed run (2 ranks)
 CLI_MODEL = "gpt-tiny"
 CLI_PLAN = make_plan(pp=2, bounds=((0, 2), (2, 4)), m=2, schedule="gpipe")
@@ -171,15 +221,16 @@ def _cli_twin(rank: int, out: str) -> dict:
     return {"losses": [t.train_step().loss for _ in range(CLI_STEPS)]}
 
 
-SCENARIOS = {2: ("reshard", "cli-twin")}
+SCENARIOS = {2: ("reshard", "cli-twin", "moe-reshard")}
 
 
 def _worker(rank: int, world: int, port: int, cases: dict, scenarios: tuple, out: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    jobs = [(n, lambda m=m, p=p: _equivalence(rank, m, Plan.from_dict(p))) for n, (m, p) in cases.items()]
-    jobs += [("reshard", lambda: _reshard(rank, str(Path(out) / "ckpt"))), ("cli-twin", lambda: _cli_twin(rank, out))]
+    jobs = [(n, lambda c=c: _equivalence(rank, c[0], Plan.from_dict(c[1]), *c[2:])) for n, c in cases.items()]
+    jobs += [("reshard", lambda: _reshard(rank, str(Path(out) / "ckpt"))), ("cli-twin", lambda: _cli_twin(rank, out)),
+             ("moe-reshard", lambda: _moe_reshard(rank, str(Path(out) / "moe-ckpt")))]
     for name, job in jobs:
         if name not in cases and name not in scenarios:
             continue
@@ -199,7 +250,7 @@ def run_group(cases: dict, world: int, scenarios: tuple = ()) -> dict[str, list[
     {name: [per-rank result]}. Judged by the result files: a rank that aborts in teardown
     after writing them (a rare gloo issue) does not fail the test; a group that produced
     nothing is retried once."""
-    payload = {n: (m, p.to_dict()) for n, (m, p) in cases.items()}
+    payload = {n: (c[0], c[1].to_dict(), *c[2:]) for n, c in cases.items()}
     names = list(cases) + list(scenarios)
     for attempt in range(2):
         out = Path(tempfile.mkdtemp(prefix="autoplan-rt-"))
@@ -240,6 +291,7 @@ def reference(model: str, global_batch: int, micro_batch: int) -> dict:
     from autoplan.models.zoo import loss_fn
     from autoplan.runtime.build import StageModule, materialize_units, meta_model, tied_embedding_fqns
     from autoplan.runtime.data import synthetic_batch
+    from autoplan.runtime.experts import configure_load_balancing, start_step, step_value
 
     cfg = get_config(model)
     n = len(meta_model(cfg).layers)
@@ -249,11 +301,14 @@ def reference(model: str, global_batch: int, micro_batch: int) -> dict:
     if tied:   # a genuinely shared parameter, as in the zoo's own model
         units[n - 1].output.weight = units[0].tok_embeddings.weight
     opt = torch.optim.SGD(net.parameters(), lr=LR, momentum=MOMENTUM)
-    losses, norms, grads = [], [], {}
+    losses, norms, grads, balance_values = [], [], {}, []
     chunks = global_batch // micro_batch
+    # MoE: each micro-batch's load-balancing loss enters like its share of the mean loss.
+    balance = configure_load_balancing(units.values(), "micro", None, grad_scale=1.0 / chunks)
     for i in range(STEPS):
         x, y = synthetic_batch(cfg, global_batch, i, SEED)
         opt.zero_grad()
+        start_step(balance)
         total = 0.0
         for xm, ym in zip(x.split(micro_batch), y.split(micro_batch)):
             loss = loss_fn(net(xm), ym) / chunks
@@ -264,14 +319,19 @@ def reference(model: str, global_batch: int, micro_batch: int) -> dict:
         norms.append(float(torch.nn.utils.clip_grad_norm_(net.parameters(), MAX_GRAD_NORM)))
         opt.step()
         losses.append(total)
-    _REFERENCE[key] = {"losses": losses, "grad_norms": norms, "grads": grads}
+        value, layers = step_value(balance)
+        balance_values.append(value / layers if layers else None)
+    _REFERENCE[key] = {"losses": losses, "grad_norms": norms, "grads": grads, "load_balancing": balance_values}
     return _REFERENCE[key]
 
 
-def check_case(name: str, model: str, plan: Plan, per_rank: list[dict]) -> None:
+def check_case(name: str, model: str, plan: Plan, per_rank: list[dict], options: dict | None = None) -> None:
     errors = [r["error"] for r in per_rank if "error" in r]
     assert not errors, f"{name}: {errors[0]}"
-    ref = reference(model, plan.global_batch, plan.micro_batch)
+    # The global-batch load-balancing loss is the one a single process computes when the
+    # whole global batch is one micro-batch (dropless routing makes nothing else differ).
+    whole = (options or {}).get("load_balancing") == "global"
+    ref = reference(model, plan.global_batch, plan.global_batch if whole else plan.micro_batch)
     got: dict[str, torch.Tensor] = {}
     for r in per_rank:
         got.update(r["grads"])
@@ -281,24 +341,63 @@ def check_case(name: str, model: str, plan: Plan, per_rank: list[dict]) -> None:
     for r in per_rank:   # every rank reports the same global loss
         assert r["losses"] == pytest.approx(ref["losses"], abs=LOSS_ATOL), name
         assert r["grad_norms"] == pytest.approx(ref["grad_norms"], rel=1e-5), name
+        if ref["load_balancing"][0] is None:
+            assert r["load_balancing"] == [None] * STEPS
+        else:
+            assert r["load_balancing"] == pytest.approx(ref["load_balancing"], rel=1e-6), name
+        if plan.ep > 1 and r["local_experts"]:   # every rank holding MoE layers holds 1/ep of their experts
+            experts = get_config(model).num_experts
+            fsdp = plan.dp // plan.ep if plan.zero >= 1 else 1   # ZeRO shards them further
+            assert {s[0] for s in r["local_experts"].values()} == {experts // plan.ep // fsdp}
+    assert plan.ep == 1 or any(r["local_experts"] for r in per_rank)
+
+
+def _check(cases: dict, world: int, name: str) -> None:
+    model, plan, *options = cases[name]
+    check_case(name, model, plan, group(world)[name], *options)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(CASES_2), ids=list(CASES_2))
 def test_two_ranks_match_single_process(name):
-    check_case(name, *CASES_2[name], group(2)[name])
+    _check(CASES_2, 2, name)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(CASES_4), ids=list(CASES_4))
 def test_four_ranks_match_single_process(name):
-    check_case(name, *CASES_4[name], group(4)[name])
+    _check(CASES_4, 4, name)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(CASES_8), ids=list(CASES_8))
 def test_eight_ranks_match_single_process(name):
-    check_case(name, *CASES_8[name], group(8)[name])
+    _check(CASES_8, 8, name)
+
+
+@pytest.mark.slow
+def test_global_load_balancing_is_the_whole_batch_loss_and_micro_is_not():
+    """Qiu et al. 2025: with f over the global batch the loss is the single-process loss of the
+    whole batch; per micro-batch it is the mean of the micro-batches' own losses, which is
+    larger (each micro-batch is less balanced than the whole) and pushes the router harder."""
+    _, plan, _ = CASES_2["lbl-global"]
+    results = group(2)
+    micro, glob = results["lbl-micro"][0]["load_balancing"], results["lbl-global"][0]["load_balancing"]
+    whole = reference("moe-tiny", plan.global_batch, plan.global_batch)["load_balancing"]
+    per_micro = reference("moe-tiny", plan.global_batch, plan.micro_batch)["load_balancing"]
+    assert glob == pytest.approx(whole, rel=1e-6)
+    assert micro == pytest.approx(per_micro, rel=1e-6)
+    assert all(m > w + 1e-3 for m, w in zip(micro, whole))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(MOE_LOAD_PLANS), ids=list(MOE_LOAD_PLANS))
+def test_expert_parallel_checkpoint_loads_under_another_plan(name):
+    for r in group(2)["moe-reshard"]:
+        assert "error" not in r, r.get("error")
+        assert r[f"{name}.resumed_at"] == 2
+        assert r[f"{name}.params_equal"], "weights after loading differ from the saved ones"
+        assert r[name] == pytest.approx(r["uninterrupted"][2:], abs=2e-5)
 
 
 @pytest.mark.slow

@@ -20,7 +20,7 @@ import autoplan
 from autoplan.errors import ConfigError
 from autoplan.models.presets import get_config
 from autoplan.plan import DeviceGroup, Plan, Stage
-from autoplan.runtime.build import (data_parallel_choice, materialize_units, meta_model,
+from autoplan.runtime.build import (SumGradientOverRanks, data_parallel_choice, materialize_units, meta_model,
                                     tensor_parallel_styles)
 from autoplan.runtime.data import DataSource, replica_slice, synthetic_batch
 from autoplan.runtime.layout import check_plan_supported, mesh_tensor, rank_layout
@@ -55,6 +55,9 @@ REFUSED = {
                                       micro_batch=1, num_micro_batches=2, schedule="interleaved-1f1b",
                                       virtual_stages=2), "gpt-tiny", "virtual_stages"),
     "sequence-parallel-swin": (make_plan(tp=2, sp=True, bounds=((0, 10),)), "swin-tiny-test", "sequence_parallel"),
+    "experts-on-a-dense-model": (make_plan(dp=2, ep=2), "gpt-tiny", "ep"),
+    "ep-not-dividing-experts": (dataclasses.replace(make_plan(dp=3, m=1), ep=3), "moe-tiny", "ep"),
+    "context-parallel-experts": (make_plan(cp=2, ep=2), "moe-tiny", "cp"),
 }
 
 
@@ -66,7 +69,8 @@ def test_unsupported_plans_are_refused_with_the_field_named(name):
     from autoplan.runtime.build import SEQUENCE_PARALLEL_UNITS
     with pytest.raises(ConfigError) as e:
         check_plan_supported(plan, len(units), kv_heads=getattr(cfg, "kv_heads", None),
-                             sequence_parallel_ok=all(isinstance(u, SEQUENCE_PARALLEL_UNITS) for u in units))
+                             sequence_parallel_ok=all(isinstance(u, SEQUENCE_PARALLEL_UNITS) for u in units),
+                             num_experts=getattr(cfg, "num_experts", 0))
     assert e.value.field == field
     assert e.value.fix, "a refusal should say what to do instead"
 
@@ -86,6 +90,18 @@ def test_supported_plan_passes_and_mesh_follows_the_plans_ranks():
     assert (lay.dp_rank, lay.cp_rank, lay.tp_rank) == (1, 1, 0)
 
 
+def test_expert_coordinates_split_the_data_parallel_axis():
+    """Replica d is expert shard d % ep of expert replica d // ep (runs of ep consecutive
+    replicas share out the experts, as DeviceGroup.ep_groups lays them out)."""
+    plan = make_plan(dp=4, tp=2, ep=2, m=1)
+    for rank in range(8):
+        lay = rank_layout(plan, rank)
+        d = lay.dp_rank
+        assert (lay.coordinate("ep"), lay.coordinate("edp")) == (d % 2, d // 2)
+        group = next(g for g in plan.groups[0].ep_groups(2) if rank in g)
+        assert group.index(rank) == lay.coordinate("ep")
+
+
 # ------------------------------------------------------- DTensor styles from the zoo
 def _block(model: str):
     return meta_model(get_config(model)).layers[1]
@@ -97,8 +113,14 @@ STYLE_CASES = {
                                              "mlp.w2": RowwiseParallel, "attention_norm": None, "attention": None}),
     "gpt-block-sp": ("gpt-tiny", 1, True, {"attention_norm": SequenceParallel, "attention": PrepareModuleInput,
                                             "mlp": PrepareModuleInput, "mlp.w1": ColwiseParallel}),
-    "moe-block-sp": ("moe-tiny", 1, True, {"moe": PrepareModuleInputOutput, "moe.experts.0.w2": RowwiseParallel,
+    # Routed experts are sharded by ExpertParallel over the expert mesh, not by a TP style.
+    "moe-block-sp": ("moe-tiny", 1, True, {"moe": PrepareModuleInputOutput, "moe.experts": None,
                                             "moe.gate": None}),
+    "deepseek-moe-block-sp": ("deepseek-tiny", 2, True, {"moe": PrepareModuleInputOutput, "moe.experts": None,
+                                                         "moe.shared.w2": RowwiseParallel,
+                                                         "attention.q_b": ColwiseParallel,
+                                                         "attention.q_a": None, "attention.kv_a": None,
+                                                         "attention.shared_key": SumGradientOverRanks}),
     "embedding-sp": ("gpt-tiny", 0, True, {"tok_embeddings": RowwiseParallel, "pos_embeddings": None}),
     "head-sp": ("gpt-tiny", 3, True, {"norm": SequenceParallel, "output": ColwiseParallel}),
     "bert-head-sp": ("bert-tiny", 3, True, {"dense": SequenceParallel, "output": ColwiseParallel}),
@@ -124,11 +146,12 @@ def test_zoo_styles_map_to_dtensor_styles(name):
 
 
 DP_CASES = {
-    # name: (dp, zero, pp[, tp]) -> (wrapper, reshard_after_forward)
+    # name: (dp, zero, pp[, tp, schedule, ep]) -> (wrapper, reshard_after_forward)
     "dp1": ((1, 3, 1), ("none", False)),
     "zero0": ((2, 0, 1), ("ddp", False)),
     "zero0-under-pp": ((2, 0, 2), ("replicate", False)),
     "zero0-with-tp": ((2, 0, 1, 2), ("replicate", False)),
+    "zero0-with-ep": ((2, 0, 1, 1, "1f1b", 2), ("replicate", False)),
     "zero1": ((2, 1, 1), ("fully_shard", False)),
     "zero2": ((2, 2, 2), ("fully_shard", False)),
     "zero3": ((2, 3, 1), ("fully_shard", True)),
@@ -232,6 +255,7 @@ OPTION_ERRORS = {
     "negative-lr": ({"lr": -1.0}, "lr"),
     "nan-clip": ({"max_grad_norm": float("nan")}, "max_grad_norm"),
     "bad-betas": ({"betas": (0.9, 1.5)}, "betas"),
+    "unknown-load-balancing": ({"load_balancing": "batch"}, "load_balancing"),
 }
 
 

@@ -42,6 +42,8 @@ MODELS = {
     "4x1024": dict(layers=4, hidden=1024, heads=16, seq_len=1024, vocab=32000),
     "5x512": dict(layers=5, hidden=512, heads=8, seq_len=512, vocab=16000),
     "3x2048": dict(layers=3, hidden=2048, heads=16, seq_len=512, vocab=32000),
+    "moe-3x1024": dict(layers=3, hidden=1024, heads=16, seq_len=512, vocab=16000, arch="moe", num_experts=4,
+                       top_k=2, ffn_hidden=4096),
 }
 
 
@@ -56,8 +58,9 @@ def compositions(n: int, k: int):
 
 
 def brute_force(model, cluster, gb, schedules, recompute, zero, sps, max_v=2):
-    """Every valid uniform plan (Megatron rank order) with every split and every per-stage
-    recompute assignment, under the full cost model: (best time, best plan, plans tried)."""
+    """Every valid uniform plan (Megatron rank order) with every split, every per-stage
+    recompute assignment and every expert-parallel degree, under the full cost model:
+    (best time, best plan, plans tried)."""
     n, L = cluster.num_gpus, model.num_layers
     gpn = cluster.groups[0].gpus_per_node
     best, count = None, 0
@@ -73,13 +76,15 @@ def brute_force(model, cluster, gb, schedules, recompute, zero, sps, max_v=2):
                 for sched in schedules:
                     vs = [1] if sched != "interleaved-1f1b" else \
                         [v for v in range(2, max_v + 1) if pp > 1 and pp * v <= L and m % pp == 0]
-                    for v, z, sp in itertools.product(vs, zero if dp > 1 else [min(zero)],
-                                                      sps if tp > 1 else [min(sps)]):
+                    eps = [e for e in range(1, dp + 1)
+                           if dp % e == 0 and (e == 1 or (model.num_experts and model.num_experts % e == 0))]
+                    for v, z, sp, ep in itertools.product(vs, zero if dp > 1 else [min(zero)],
+                                                          sps if tp > 1 else [min(sps)], eps):
                         for split in compositions(L, pp * v):
                             for rec in itertools.product(recompute, repeat=pp * v):
                                 stages = tuple(Stage(a, e, j % pp, r) for j, ((a, e), r) in enumerate(zip(split, rec)))
                                 plan = Plan(groups=groups, stages=stages, micro_batch=b, num_micro_batches=m,
-                                            schedule=sched, virtual_stages=v, sequence_parallel=sp, zero=z)
+                                            schedule=sched, virtual_stages=v, sequence_parallel=sp, zero=z, ep=ep)
                                 est = estimate(model, cluster, plan)
                                 count += 1
                                 if est.fits and (best is None or (est.tight, est.iteration_time_s) < best[2]):
@@ -99,6 +104,9 @@ BRUTE_CASES = {
                             [True]),
     "gpipe-few-micro-batches": ("4x1024", 6, (4, 1), 8, ["gpipe"], ["selective", "full"], [0, 3], [False]),
     "nothing-fits": ("3x2048", 1.05, (2, 2), 4, ["1f1b"], ["full"], [3], [True]),
+    # Experts are three quarters of this model: without ZeRO, data parallelism fits only with
+    # the experts split over the replicas (ep=4), which beats the pipeline that also fits.
+    "experts-must-be-split": ("moe-3x1024", 3.6, (1, 4), 8, ["1f1b"], ["none", "full"], [0], [False]),
 }
 
 
@@ -275,11 +283,25 @@ def test_fewer_gpus_are_reported_and_can_be_forbidden():
     ({"tp": 0}, "tp"),
     ({"recompute": []}, "recompute"),
     ({"max_estimates": 0}, "max_estimates"),
-], ids=["unknown-keyword", "unknown-schedule", "bad-zero", "bad-tp", "empty-recompute", "bad-budget"])
+    ({"ep": [0]}, "ep"),
+], ids=["unknown-keyword", "unknown-schedule", "bad-zero", "bad-tp", "empty-recompute", "bad-budget", "bad-ep"])
 def test_bad_constraints_name_the_field(kwargs, field):
     with pytest.raises(ConfigError) as err:
         search(toy_model("5x512"), toy_cluster(3), 8, progress=False, **kwargs)
     assert err.value.field == field
+
+
+def test_expert_parallel_degrees_follow_dp_and_the_experts():
+    """Dense models get ep = 1 only; an MoE model gets the ep that divide dp and its experts,
+    and an ep constraint narrows that."""
+    moe, cluster = toy_model("moe-3x1024"), toy_cluster(8, 1, 4)
+    free = search(moe, cluster, 8, schedules=["1f1b"], progress=False, max_estimates=40)
+    assert {rp.plan.ep for rp in free.ranked} > {1}
+    assert all(rp.plan.dp % rp.plan.ep == 0 and 4 % rp.plan.ep == 0 for rp in free.ranked)
+    fixed = search(moe, cluster, 8, schedules=["1f1b"], ep=[1], progress=False)
+    assert {rp.plan.ep for rp in fixed.ranked} == {1}
+    dense = search(toy_model("5x512"), cluster, 8, schedules=["1f1b"], progress=False, max_estimates=40)
+    assert {rp.plan.ep for rp in dense.ranked} == {1}
 
 
 def test_constraints_narrow_the_space():

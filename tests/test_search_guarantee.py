@@ -47,6 +47,11 @@ def toy(layers: int, hidden: int, heads: int, seq: int, vocab: int):
     return models.transformer(layers=layers, hidden=hidden, heads=heads, seq_len=seq, vocab=vocab)
 
 
+def toy_moe(layers: int, hidden: int, heads: int, seq: int, vocab: int, experts: int, top_k: int):
+    return models.transformer(layers=layers, hidden=hidden, heads=heads, seq_len=seq, vocab=vocab, arch="moe",
+                              num_experts=experts, top_k=top_k, ffn_hidden=2 * hidden)
+
+
 # name: (model, cluster, global batch, space)
 CASES = {
     "homogeneous-roomy-all-schedules": (
@@ -60,6 +65,12 @@ CASES = {
         lambda: toy(4, 512, 8, 512, 16000), lambda: homogeneous(2.9, 4, 1), 8,
         Space(schedules=("1f1b", "interleaved-1f1b", "zero-bubble"), recompute=("selective", "full"), zero=(0,),
               max_virtual_stages=2)),
+    # Expert parallelism inside a node (ep 2) or across the slow network (ep 4); the best
+    # plan splits the experts.
+    "homogeneous-moe-expert-parallel": (
+        lambda: toy_moe(3, 512, 8, 512, 16000, 4, 2), lambda: homogeneous(3, 2, 2), 8,
+        Space(schedules=("1f1b",), recompute=("none", "full"), zero=(0, 1), sequence_parallel=(False,),
+              max_micro_batch=2)),
     "mixed-fast-slow-all-schedules": (
         lambda: toy(3, 1024, 16, 1024, 32000),
         lambda: mixed([("fast", 1, 2, 4.0, 100), ("slow", 1, 2, 2.0, 30)]), 4,

@@ -21,11 +21,13 @@ from search.split import Splitter
 from search.tables import RECOMPUTES, Kind, Tables
 
 GPT = models.transformer(layers=6, hidden=1024, heads=16, seq_len=1024, vocab=32000)
+MOE = models.transformer(layers=6, hidden=1024, heads=16, seq_len=1024, vocab=32000, arch="moe", num_experts=8,
+                         top_k=2, ffn_hidden=2048, name="moe-6x1024")
 
 
 def skeleton_of(plan: Plan, cluster: Cluster) -> Skeleton:
-    return Skeleton(groups=plan.groups, kinds=tuple(Kind(cluster.slots[g.ranks[0]].group, g.tp, g.cp, plan.cp_comm)
-                                                    for g in plan.groups))
+    return Skeleton(groups=plan.groups, kinds=tuple(Kind(cluster.slots[g.ranks[0]].group, g.tp, g.cp, plan.cp_comm,
+                                                         plan.ep) for g in plan.groups))
 
 
 def setting_of(plan: Plan) -> Setting:
@@ -65,13 +67,27 @@ CLUSTER = Cluster.homogeneous("A100-80GB", 2, 8, inter_node_GBps=25)
 MIXED = Cluster.load("examples/clusters/small-mixed-v100-t4.json")
 
 
+# Expert parallelism: experts split over replicas inside a node, across nodes, with ZeRO.
+EXPERT = {
+    "moe-ep2-zero1": dict(tp=2, pp=2, dp=2, micro_batch=1, global_batch=8, schedule="1f1b", zero=1, ep=2),
+    "moe-ep8-across-nodes-zero3": dict(tp=2, pp=1, dp=8, micro_batch=1, global_batch=8, zero=3, ep=8,
+                                       recompute="full", sequence_parallel=True),
+    "moe-ep8-one-node-of-16": dict(tp=1, pp=1, dp=16, micro_batch=1, global_batch=16, zero=1, ep=8),
+    "moe-ep4-tp2-zero0": dict(tp=2, pp=1, dp=8, micro_batch=2, global_batch=16, zero=0, ep=4,
+                              sequence_parallel=True),
+    "moe-ep1": dict(tp=1, pp=2, dp=4, micro_batch=1, global_batch=8, zero=2),
+}
+
+
 def cases():
     out = {}
     for name, kw in HOMOGENEOUS.items():
-        out[name] = (CLUSTER, Plan.uniform(GPT, CLUSTER, **kw))
+        out[name] = (CLUSTER, Plan.uniform(GPT, CLUSTER, **kw), GPT)
     for sched, zero, rec, sp in [("1f1b", 0, "full", False), ("interleaved-1f1b", 2, "selective", True),
                                  ("zero-bubble", 3, "none", True), ("gpipe", 1, "full", True)]:
-        out[f"mixed-{sched}-zero{zero}"] = (MIXED, mixed_plan(MIXED, sched, zero, rec, sp))
+        out[f"mixed-{sched}-zero{zero}"] = (MIXED, mixed_plan(MIXED, sched, zero, rec, sp), GPT)
+    for name, kw in EXPERT.items():
+        out[name] = (CLUSTER, Plan.uniform(MOE, CLUSTER, **kw), MOE)
     return out
 
 
@@ -80,15 +96,15 @@ CASES = cases()
 
 @pytest.mark.parametrize("case", CASES, ids=list(CASES))
 def test_stage_costs_and_memory_equal_the_cost_model(case):
-    cluster, plan = CASES[case]
-    plan.validate(GPT, cluster)
-    tables = Tables(GPT, cluster)
+    cluster, plan, model = CASES[case]
+    plan.validate(model, cluster)
+    tables = Tables(model, cluster)
     sk, st = skeleton_of(plan, cluster), setting_of(plan)
     bounds = [(s.start, s.end) for s in plan.stages]
     rec = [s.recompute for s in plan.stages]
     analysis, figs = analyze(tables, sk, st, bounds, rec)
-    est = estimate(GPT, cluster, plan)
-    costs = stage_costs(GPT, cluster, plan, EstimateOptions())
+    est = estimate(model, cluster, plan)
+    costs = stage_costs(model, cluster, plan, EstimateOptions())
     for f, c in zip(figs, costs):
         assert f.forward == pytest.approx(c.forward, rel=1e-12)
         assert f.backward == pytest.approx(c.backward, rel=1e-12)

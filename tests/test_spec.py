@@ -7,7 +7,7 @@ import pytest
 
 import autoplan
 from autoplan.models import from_config
-from autoplan.models.presets import PUBLISHED_PARAMS, get_config
+from autoplan.models.presets import PUBLISHED_ACTIVE_PARAMS, PUBLISHED_PARAMS, get_config
 
 
 def _closed_form_block_fwd_flops(cfg) -> float:
@@ -42,6 +42,61 @@ def test_large_spec_extraction_is_fast(name):
 def test_spec_params_match_published(name):
     published, _source = PUBLISHED_PARAMS[name]
     assert autoplan.models.get(name).num_params == pytest.approx(published, rel=0.01)
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED_ACTIVE_PARAMS))
+def test_active_params_match_published(name):
+    """Parameters one token passes through; publications round them and some leave the token
+    embedding out, so the figure must lie between the two counts (within 3%)."""
+    spec, cfg = autoplan.models.get(name), get_config(name)
+    published = PUBLISHED_ACTIVE_PARAMS[name]
+    low, high = spec.active_params - cfg.vocab * cfg.hidden, spec.active_params
+    assert low * 0.97 <= published <= high * 1.03, (name, low, high, published)
+
+
+def _closed_form_moe_block_fwd_flops(cfg) -> float:
+    """Active-parameter forward FLOPs of one expert block: attention as above, the router,
+    and every token through top_k routed experts (+ the shared expert), all SwiGLU."""
+    s, h, d = cfg.seq_len, cfg.hidden, cfg.head_dim
+    q, kv = cfg.heads * d, cfg.kv_heads * d
+    attention = 2 * s * (h * q + 2 * h * kv + q * h) + 4 * s * s * q
+    experts = 2 * s * 3 * h * (cfg.top_k * cfg.moe_ffn_hidden + cfg.shared_ffn_hidden)
+    return attention + experts + 2 * s * h * cfg.num_experts
+
+
+@pytest.mark.parametrize("name", ["mixtral-8x7b", "qwen3-30b-a3b", "qwen1.5-moe-a2.7b"])
+def test_moe_block_flops_are_active_parameter_flops(name):
+    cfg = get_config(name)
+    block = from_config(cfg).layers[-2]
+    assert block.flops_fwd.total == pytest.approx(_closed_form_moe_block_fwd_flops(cfg), rel=0.01)
+    e = block.experts
+    assert (e.num_experts, e.top_k) == (cfg.num_experts, cfg.top_k)
+    assert e.params.total == pytest.approx(3 * cfg.num_experts * cfg.hidden * cfg.moe_ffn_hidden)
+    assert e.params.replicated == 0   # tensor parallelism shards every expert weight
+    # One all-to-all carries every token's top_k copies of the hidden state (bf16). Slots per
+    # expert are whole numbers: 4096 x 4 / 60 experts rounds up by 0.3%.
+    assert e.dispatch_bytes == pytest.approx(cfg.seq_len * cfg.top_k * cfg.hidden * 2, rel=0.005)
+    assert 0 < e.activation_bytes.total < block.activation_bytes.none.total
+    assert {g.expert for g in block.gemms_fwd} == {True, False}
+    assert sum(g.flops for g in block.gemms_fwd if g.expert) == pytest.approx(
+        2 * cfg.seq_len * 3 * cfg.hidden * cfg.top_k * cfg.moe_ffn_hidden, rel=0.005)
+    assert sum(g.flops for g in block.gemms_bwd if g.expert) == pytest.approx(
+        2 * sum(g.flops for g in block.gemms_fwd if g.expert))
+
+
+def test_dense_first_blocks_and_latent_attention():
+    cfg = get_config("deepseek-v3")
+    spec = from_config(cfg)
+    blocks = [l for l in spec.layers if l.kind == "block"]
+    assert len(blocks) == 61 and [b.experts is None for b in blocks[:4]] == [True, True, True, False]
+    assert spec.num_experts == 256
+    dense, moe = blocks[0], blocks[-1]
+    # Latent attention: the latent down projections are replicated under tensor parallelism.
+    latent = cfg.hidden * (cfg.q_lora_rank + cfg.kv_lora_rank + cfg.rope_head_dim) + cfg.q_lora_rank + cfg.kv_lora_rank
+    assert dense.params.replicated == pytest.approx(latent + 2 * cfg.hidden)   # + the two block norms
+    assert moe.params.total - moe.experts.params.total == pytest.approx(
+        dense.params.total - 3 * cfg.hidden * cfg.ffn_hidden + 3 * cfg.hidden * cfg.shared_ffn_hidden
+        + cfg.hidden * cfg.num_experts)
 
 
 @pytest.mark.parametrize("tp", [1, 2, 4, 8])

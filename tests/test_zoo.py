@@ -12,7 +12,9 @@ from torch.utils.flop_counter import FlopCounterMode
 from autoplan.models.presets import get_config
 from autoplan.models.zoo import TP_STYLES, build_model, example_inputs, init_parameters, loss_fn
 from autoplan.models.zoo.swin import SwinBlock, WindowAttention
-from autoplan.models.zoo.transformer import MLP, Attention, Block, MoE
+from autoplan.models.zoo.latent_attention import LatentAttention
+from autoplan.models.zoo.moe import GroupedExperts, MoE
+from autoplan.models.zoo.transformer import MLP, Attention, Block
 
 # name -> (preset, overrides)
 TINY = {
@@ -29,6 +31,9 @@ TINY = {
                                   attn_softcap=50.0, logit_softcap=30.0, attn_scale=0.2, embed_scale=True,
                                   tie_embeddings=True)),
     "moe": ("moe-tiny", {}),
+    "moe-capacity": ("moe-tiny", {"capacity_factor": 1.0}),
+    "deepseek-mla": ("deepseek-tiny", {}),
+    "deepseek-mla-math": ("deepseek-tiny", {"attention": "math", "q_lora_rank": 0}),
     "bert": ("bert-tiny", {}),
     "swin": ("swin-tiny-test", {}),
 }
@@ -150,7 +155,8 @@ def test_tp_plan_names_real_modules_and_covers_linears(case):
             unit.get_submodule(fqn)
         if isinstance(unit, (Block, SwinBlock)):
             linears = {n for n, m in unit.named_modules() if isinstance(m, nn.Linear)}
-            routers = {n for n in linears if n.endswith("moe.gate")}
+            # The router and latent attention's low-rank down projections stay replicated.
+            routers = {n for n in linears if n.endswith(("moe.gate", "attention.q_a", "attention.kv_a"))}
             assert linears - routers <= set(plan), sorted(linears - routers - set(plan))
             assert routers.isdisjoint(plan)
 
@@ -175,7 +181,13 @@ def _shard_like_tp(dst: nn.Module, src: nn.Module, plan: dict[str, str], rank: i
     """Fill a module built at per-rank shapes with rank ``rank``'s shard of ``src``."""
     for fqn, style in plan.items():
         d, s = dst.get_submodule(fqn), src.get_submodule(fqn)
-        if style == "head_norm":   # replicated: every rank holds the whole scale
+        if style == "head_shared":   # no weights; only its gradient is summed over ranks
+            continue
+        if style == "experts":   # stacked [experts, out, in]: w1/w3 by output rows, w2 by input columns
+            for name, dim in (("w1", 1), ("w3", 1), ("w2", 2)):
+                n = getattr(d, name).shape[dim]
+                getattr(d, name).data.copy_(getattr(s, name).data.narrow(dim, rank * n, n))
+        elif style == "head_norm":   # replicated: every rank holds the whole scale
             d.weight.data.copy_(s.weight.data)
         elif style == "rowwise":
             _shard_cols(d, s, rank, world)
@@ -189,7 +201,7 @@ def _shard_like_tp(dst: nn.Module, src: nn.Module, plan: dict[str, str], rank: i
 def _transformer_shard_case(preset: str, overrides: dict, module: type):
     cfg = get_config(preset, **overrides)
     half = cfg.with_shard(0.5)  # half the heads, kv heads and ffn; same hidden and head_dim
-    make = {Attention: lambda c: Attention(c), MoE: lambda c: MoE(c),
+    make = {Attention: lambda c: Attention(c), MoE: lambda c: MoE(c), LatentAttention: lambda c: LatentAttention(c),
             MLP: lambda c: MLP(c.hidden, c.ffn_hidden, c.mlp, c.bias)}[module]
     return cfg.hidden, make(cfg), [make(half) for _ in range(2)]
 
@@ -214,6 +226,9 @@ SHARD_CASES = {
     "gemma2-geglu": (_transformer_shard_case, "llama-tiny", {"mlp": "geglu"}, MLP),
     "bert-attention": (_transformer_shard_case, "bert-tiny", {}, Attention),
     "moe-experts": (_transformer_shard_case, "moe-tiny", {}, MoE),
+    "moe-shared-experts": (_transformer_shard_case, "deepseek-tiny", {}, MoE),
+    "latent-attention": (_transformer_shard_case, "deepseek-tiny", {}, LatentAttention),
+    "latent-attention-full-rank-q": (_transformer_shard_case, "deepseek-tiny", {"q_lora_rank": 0}, LatentAttention),
     "swin-window": (_swin_shard_case, "swin", 0, WindowAttention),
     "swin-shifted-window": (_swin_shard_case, "swin", 2, WindowAttention),
 }
@@ -228,11 +243,13 @@ def test_per_rank_shapes_reproduce_the_full_module(case):
     torch.manual_seed(0)
     hidden, full, halves = factory(preset, arg, module)
     init_parameters(full)
-    if isinstance(full, MoE):
-        for h in halves:
-            h.gate.weight.data.copy_(full.gate.weight.data)  # the router is replicated
+    plan = full.tp_plan()
+    for h in halves:   # what the plan leaves out is replicated (the router, MLA's latent projections)
+        for name, p in full.named_parameters():
+            if not any(name.startswith(f"{fqn}.") for fqn in plan):
+                h.get_parameter(name).data.copy_(p.data)
     for rank, h in enumerate(halves):
-        _shard_like_tp(h, full, full.tp_plan(), rank, len(halves))
+        _shard_like_tp(h, full, plan, rank, len(halves))
     tokens = 64 if module is WindowAttention else 8
     x = torch.randn(2, tokens, hidden)
     torch.testing.assert_close(sum(h(x) for h in halves), full(x), rtol=1e-5, atol=1e-5)
@@ -278,3 +295,87 @@ def test_example_inputs(case):
 def test_build_model_rejects_other_configs():
     with pytest.raises(TypeError, match="TransformerConfig or SwinConfig"):
         build_model({"arch": "gpt"})
+
+
+def _per_token_moe(moe: MoE, x: torch.Tensor) -> torch.Tensor:
+    """Top-k token choice written token by token: sum_j w_j expert_{e_j}(x_t) (+ shared)."""
+    flat = x.reshape(-1, x.shape[-1])
+    probs = torch.softmax(moe.gate(flat), -1)
+    w, e = probs.topk(moe.top_k, -1)
+    if moe.normalize_top_k:
+        w = w / w.sum(-1, keepdim=True)
+    ex = moe.experts
+    out = torch.zeros_like(flat)
+    for t in range(flat.shape[0]):
+        for j in range(moe.top_k):
+            i = e[t, j]
+            h = (flat[t] @ ex.w1[i].T) * torch.nn.functional.silu(flat[t] @ ex.w3[i].T)
+            out[t] += w[t, j] * (h @ ex.w2[i].T)
+    if moe.shared is not None:
+        out = out + moe.shared(flat)
+    return out.view_as(x)
+
+
+ROUTING = {
+    "dropless": ("moe-tiny", {}),
+    "dropless-not-renormalised": ("moe-tiny", {"normalize_top_k": False}),
+    "dropless-shared-experts": ("deepseek-tiny", {}),
+}
+
+
+@pytest.mark.parametrize("case", ROUTING, ids=list(ROUTING))
+def test_token_choice_routing_matches_per_token_reference(case):
+    preset, overrides = ROUTING[case]
+    torch.manual_seed(0)
+    moe = MoE(get_config(preset, **overrides))
+    init_parameters(moe)
+    x = torch.randn(2, 8, moe.gate.in_features)
+    torch.testing.assert_close(moe(x), _per_token_moe(moe, x), rtol=1e-5, atol=1e-6)
+
+
+def test_capacity_drops_overflowing_tokens_only():
+    """With capacity factor 1 a token's choice past its expert's slots contributes nothing;
+    every other choice is exactly the dropless result, and shapes do not depend on routing."""
+    torch.manual_seed(0)
+    cfg = get_config("moe-tiny", capacity_factor=1.0)
+    capped, free = MoE(cfg), MoE(dataclasses.replace(cfg, capacity_factor=None))
+    init_parameters(capped)
+    free.load_state_dict(capped.state_dict())
+    x = torch.randn(2, 8, cfg.hidden)
+    assert capped.capacity(16) == 8 and free.capacity(16) == 16     # 16 tokens x 2 / 4 experts
+    diff = (capped(x) - free(x)).reshape(16, -1).abs().sum(-1)
+    assert 0 < int((diff > 1e-6).sum()) < 16     # some tokens lost a choice, most did not
+
+
+def test_load_balancing_loss_gradient():
+    """The balance term adds d(coeff * N_E * sum_i f_i p_i)/d(probs) in backward and nothing in
+    forward: equal to differentiating the loss written out with f held constant."""
+    torch.manual_seed(0)
+    cfg = get_config("moe-tiny", aux_loss_coeff=0.5)
+    moe = MoE(cfg)
+    init_parameters(moe)
+    x = torch.randn(2, 8, cfg.hidden)
+    plain = MoE(dataclasses.replace(cfg, aux_loss_coeff=0.0))
+    plain.load_state_dict(moe.state_dict())
+    torch.testing.assert_close(moe(x), plain(x), rtol=0, atol=0)
+    moe(x).sum().backward()
+    probs = torch.softmax(plain.gate(x.reshape(16, -1)), -1)
+    f = torch.nn.functional.one_hot(probs.topk(2, -1).indices, 4).sum((0, 1)).float() / 32
+    lbl = 4 * (f * probs.mean(0)).sum()
+    (plain(x).sum() + 0.5 * lbl).backward()
+    torch.testing.assert_close(moe.gate.weight.grad, plain.gate.weight.grad, rtol=1e-5, atol=1e-7)
+    moe.balance.records = []
+    with torch.no_grad():
+        moe(x)          # evaluation: nothing recorded
+    assert moe.balance.value() is None
+    moe(x)
+    assert moe.balance.value() == pytest.approx(float(lbl.detach()), rel=1e-6)
+
+
+def test_grouped_experts_init_and_shapes():
+    torch.manual_seed(0)
+    ex = GroupedExperts(4, 8, 16)
+    init_parameters(ex)
+    assert ex.w1.shape == ex.w3.shape == (4, 16, 8) and ex.w2.shape == (4, 8, 16)
+    assert 0.01 < float(ex.w1.detach().std()) < 0.03
+    assert ex(torch.randn(4, 5, 8)).shape == (4, 5, 8)

@@ -50,6 +50,10 @@ def add_cost_model_args(p: argparse.ArgumentParser) -> None:
                    help="data-parallel gradient reduction does not overlap the backward (default: as the stack does)")
     c.add_argument("--memory-margin", type=float, default=None, metavar="SHARE",
                    help="share of device memory a plan must leave free not to be 'tight' (default 0.03)")
+    c.add_argument("--expert-load", type=float, default=None, metavar="FACTOR",
+                   help="mixture of experts: busiest expert rank's tokens over the balanced share, as measured "
+                        "(1.0 = balanced; default: the capacity factor, or the expected imbalance of dropless "
+                        "routing)")
 
 
 def cost_model_options(args):
@@ -65,6 +69,8 @@ def cost_model_options(args):
         options["overlap_grad_reduce"] = False
     if getattr(args, "memory_margin", None) is not None:
         options["memory_margin"] = args.memory_margin
+    if getattr(args, "expert_load", None) is not None:
+        options["expert_load"] = args.expert_load
     return EstimateOptions(**options)
 
 

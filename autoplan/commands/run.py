@@ -94,7 +94,8 @@ def preflight(args) -> "object":
     cfg = resolve_model_config(args.model, args.seq_len or plan.seq_len)
     units = meta_model(cfg).layers
     check_plan_supported(plan, len(units), kv_heads=getattr(cfg, "kv_heads", None),
-                         sequence_parallel_ok=all(isinstance(u, SEQUENCE_PARALLEL_UNITS) for u in units))
+                         sequence_parallel_ok=all(isinstance(u, SEQUENCE_PARALLEL_UNITS) for u in units),
+                         num_experts=cfg.num_experts if getattr(cfg, "arch", "") == "moe" else 0)
     _check_tp_shapes(cfg, plan.groups[0].tp)
     if args.build_only:
         return plan
@@ -133,7 +134,7 @@ def worker_args(args) -> list[str]:
            "--lr", repr(args.lr), "--weight-decay", repr(args.weight_decay),
            "--max-grad-norm", repr(args.max_grad_norm), "--seed", str(args.seed),
            "--checkpoint-every", str(args.checkpoint_every), "--log-every", str(args.log_every),
-           "--backend", args.backend, "--clock", args.clock]
+           "--backend", args.backend, "--clock", args.clock, "--load-balancing", args.load_balancing]
     if args.checkpoint_dir:
         out += ["--checkpoint-dir", args.checkpoint_dir]
     if args.no_resume:

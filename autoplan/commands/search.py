@@ -43,6 +43,7 @@ def register(sub) -> None:
     g.add_argument("--tp", type=_ints, default=None, help="tensor-parallel degrees, e.g. 4,8")
     g.add_argument("--pp", type=_ints, default=None, help="pipeline depths")
     g.add_argument("--dp", type=_ints, default=None, help="data-parallel degrees")
+    g.add_argument("--ep", type=_ints, default=None, help="expert-parallel degrees (mixture-of-experts models)")
     g.add_argument("--cp", type=_ints, default=None,
                    help="context-parallel degrees (default: 1 and those leaving each rank >= 4096 tokens)")
     g.add_argument("--cp-comm", type=_words, default=None,
@@ -83,7 +84,7 @@ def run(args) -> int:
     options = cost_model_options(args)
     model = load_model(args)
     constraints = {"progress": not args.no_progress and not args.json, "options": options}
-    for name in ("tp", "pp", "dp", "cp", "cp_comm", "micro_batch", "schedules", "recompute", "zero"):
+    for name in ("tp", "pp", "dp", "cp", "cp_comm", "ep", "micro_batch", "schedules", "recompute", "zero"):
         value = getattr(args, name)
         if value is not None:
             constraints[name] = value

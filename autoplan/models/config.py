@@ -11,9 +11,15 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from autoplan.errors import ConfigError
-from autoplan.fields import check_int, check_text
+from autoplan.fields import check_float, check_int, check_text
 from autoplan.limits import (MAX_EXPERTS, MAX_FFN, MAX_HEADS, MAX_HIDDEN, MAX_LAYERS, MAX_SEQ_LEN, MAX_UNITS,
                              MAX_VOCAB)
+
+MAX_CAPACITY_FACTOR = 1_000.0
+"""Token slots per expert over the balanced load; past num_experts / top_k nothing more can
+be routed, so a larger factor is a mistake."""
+MAX_AUX_LOSS_COEFF = 1_000.0
+"""The load-balancing loss coefficient (published models use 1e-4 to 1e-2)."""
 
 ARCHS = ("gpt", "llama", "bert", "moe")
 NORMS = ("layernorm", "rmsnorm")
@@ -63,9 +69,37 @@ class TransformerConfig:
     tie_embeddings: bool = False
     """Share the token embedding with the output head (GPT-2 does)."""
     num_experts: int = 0
-    """Experts per MoE layer (moe only)."""
+    """Routed experts per MoE layer (moe only)."""
     top_k: int = 2
     """Experts each token is routed to (moe only)."""
+    moe_ffn_hidden: int | None = None
+    """Width of one routed expert's SwiGLU MLP (moe only); None = ffn_hidden."""
+    shared_ffn_hidden: int = 0
+    """Width of the shared-expert SwiGLU MLP every token also passes through (moe only; DeepSeek's
+    n_shared_experts x moe_intermediate_size, Qwen2-MoE's shared_expert_intermediate_size); 0 = none."""
+    dense_layers: int = 0
+    """Leading blocks whose MLP is dense (width ffn_hidden) instead of experts (moe only;
+    DeepSeek's first_k_dense_replace)."""
+    capacity_factor: float | None = None
+    """Token slots per expert as a multiple of the balanced load tokens x top_k / num_experts;
+    a token routed to a full expert is dropped (GShard, Switch Transformer). None = dropless:
+    every expert has a slot for every token, so nothing is dropped (what Mixtral, Qwen3-MoE and
+    DeepSeek-V3 train with)."""
+    normalize_top_k: bool = True
+    """Rescale each token's top-k router probabilities to sum to 1 (Mixtral, Qwen3-MoE,
+    DeepSeek-V3); False keeps the softmax values (Qwen2-MoE, DeepSeek-V2)."""
+    aux_loss_coeff: float = 0.01
+    """Weight of the load-balancing loss N_E * sum_i f_i * p_i in the objective (moe only; 0 = none)."""
+    kv_lora_rank: int = 0
+    """Multi-head latent attention (DeepSeek-V2/V3): rank of the compressed key/value latent;
+    0 = ordinary multi-head / grouped-query attention."""
+    q_lora_rank: int = 0
+    """MLA: rank of the compressed query; 0 = a full-rank query projection (DeepSeek-V2-Lite)."""
+    rope_head_dim: int = 0
+    """MLA: per-head width of the decoupled rotary query/key part; head_dim is the part without
+    position information (DeepSeek's qk_nope_head_dim)."""
+    v_head_dim: int | None = None
+    """MLA: per-head value width; None = head_dim."""
     attention: str = "flash"
     """Attention kernel: 'flash' (fused SDPA, saves no s×s scores) or 'math' (explicit softmax,
     saves the score matrix as Megatron-LM did before FlashAttention)."""
@@ -183,6 +217,52 @@ class TransformerConfig:
                 raise ConfigError("num_experts", f"an moe model needs >= 2 experts, got {c.num_experts}")
             if not 1 <= c.top_k <= c.num_experts:
                 raise ConfigError("top_k", f"must be in 1..num_experts={c.num_experts}, got {c.top_k}")
+            if c.moe_ffn_hidden is None:
+                c = dataclasses.replace(c, moe_ffn_hidden=c.ffn_hidden)
+            for name, top in (("moe_ffn_hidden", MAX_FFN), ("shared_ffn_hidden", MAX_FFN), ("dense_layers", MAX_LAYERS)):
+                v = getattr(c, name)
+                if not isinstance(v, int) or isinstance(v, bool) or v < (1 if name == "moe_ffn_hidden" else 0):
+                    raise ConfigError(name, f"must be a {'positive' if name == 'moe_ffn_hidden' else 'non-negative'} "
+                                      f"integer, got {str(v)[:40]!r}")
+                check_int(v, name, maximum=top)
+            if c.dense_layers >= c.layers:
+                raise ConfigError("dense_layers", f"{c.dense_layers} dense blocks leave no expert block "
+                                  f"among {c.layers}", "use fewer dense layers or arch 'llama'")
+            if c.capacity_factor is not None and not (isinstance(c.capacity_factor, (int, float))
+                                                      and not isinstance(c.capacity_factor, bool)
+                                                      and c.capacity_factor > 0):
+                raise ConfigError("capacity_factor", f"must be a number > 0 or None (dropless), "
+                                  f"got {str(c.capacity_factor)[:40]!r}")
+            check_float(c.capacity_factor, "capacity_factor", maximum=MAX_CAPACITY_FACTOR)
+            if not isinstance(c.aux_loss_coeff, (int, float)) or isinstance(c.aux_loss_coeff, bool) \
+                    or not c.aux_loss_coeff >= 0:
+                raise ConfigError("aux_loss_coeff", f"must be a number >= 0, got {str(c.aux_loss_coeff)[:40]!r}")
+            check_float(c.aux_loss_coeff, "aux_loss_coeff", maximum=MAX_AUX_LOSS_COEFF)
+        else:
+            for name, empty in (("num_experts", 0), ("shared_ffn_hidden", 0), ("dense_layers", 0),
+                                ("moe_ffn_hidden", None)):
+                if getattr(c, name) not in (empty, None):
+                    raise ConfigError(name, f"is a mixture-of-experts setting but arch is {c.arch!r}",
+                                      "set arch to 'moe'")
+        if c.kv_lora_rank:
+            if c.v_head_dim is None:
+                c = dataclasses.replace(c, v_head_dim=c.head_dim)
+            for name in ("kv_lora_rank", "q_lora_rank", "v_head_dim", "rope_head_dim"):
+                v = getattr(c, name)
+                low = 0 if name in ("q_lora_rank", "rope_head_dim") else 1   # a 0 rotary part: see below
+                if not isinstance(v, int) or isinstance(v, bool) or v < low:
+                    raise ConfigError(name, f"must be a {'non-negative' if low == 0 else 'positive'} "
+                                      f"integer, got {str(v)[:40]!r}")
+                check_int(v, name, maximum=MAX_HIDDEN)
+            if c.rope_head_dim < 2 or c.rope_head_dim % 2 or c.position != "rope":
+                raise ConfigError("rope_head_dim", f"multi-head latent attention needs an even rotary "
+                                  f"width >= 2 with rope positions, got {c.rope_head_dim}")
+            if c.kv_heads != c.heads:
+                raise ConfigError("kv_heads", f"multi-head latent attention gives every head its own keys "
+                                  f"and values: kv_heads must equal heads={c.heads}, got {c.kv_heads}")
+        elif c.q_lora_rank or c.rope_head_dim or c.v_head_dim is not None:
+            raise ConfigError("kv_lora_rank", "q_lora_rank, rope_head_dim and v_head_dim describe multi-head "
+                              "latent attention, which kv_lora_rank = 0 turns off", "set kv_lora_rank")
         for name in ("rope_theta", "rope_scaling_factor", "norm_eps"):
             v = getattr(c, name)
             if v is not None and (not isinstance(v, (int, float)) or isinstance(v, bool) or v <= 0):
@@ -215,9 +295,13 @@ class TransformerConfig:
         everything Megatron-style tensor parallelism divides (attention heads, kv heads, MLP
         width, vocabulary), which separates sharded from replicated cost by measurement."""
         c = self.resolved()
+        moe = {}
+        if c.arch == "moe":   # expert widths are sharded like the dense MLP's
+            moe = dict(moe_ffn_hidden=int(c.moe_ffn_hidden * factor),
+                       shared_ffn_hidden=int(c.shared_ffn_hidden * factor))
         return dataclasses.replace(
             c, heads=int(c.heads * factor), kv_heads=int(c.kv_heads * factor),
-            ffn_hidden=int(c.ffn_hidden * factor), vocab=int(c.vocab * factor))
+            ffn_hidden=int(c.ffn_hidden * factor), vocab=int(c.vocab * factor), **moe)
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode, flop_registry
 
 from autoplan.errors import ConfigError
-from autoplan.models.spec import ActivationBytes, Gemm, LayerSpec, ModelSpec, Split
+from autoplan.models.spec import ActivationBytes, ExpertSpec, Gemm, LayerSpec, ModelSpec, Split
 
 _aten = torch.ops.aten
 _GEMMS = {_aten.mm.default, _aten.addmm.default, _aten.bmm.default, _aten.baddbmm.default}
@@ -40,7 +40,7 @@ _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 class _Census:
     """What one forward or backward pass ran."""
 
-    gemms: list = field(default_factory=list)        # (m, n, k, count, in_core)
+    gemms: list = field(default_factory=list)        # (m, n, k, count, in_core, in_experts)
     attention_flops: float = 0.0
     memory_bytes: float = 0.0
     core_memory_bytes: float = 0.0
@@ -60,10 +60,19 @@ class _CensusMode(TorchDispatchMode):
         _CensusMode.active.remove(self)
         return super().__exit__(*exc)
 
-    def __init__(self):
+    def __init__(self, expert_nodes: "_ExpertNodes | None" = None):
         super().__init__()
         self.census = _Census()
         self.in_core = False
+        self.in_experts = False
+        self.expert_nodes = expert_nodes
+        """In backward: tells which autograd nodes belong to routed experts (forward sets
+        ``in_experts`` from module hooks instead)."""
+
+    def _expert_op(self) -> bool:
+        if self.in_experts:
+            return True
+        return self.expert_nodes is not None and self.expert_nodes.running()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -74,10 +83,11 @@ class _CensusMode(TorchDispatchMode):
         name = func.overloadpacket.__name__
         if func in _GEMMS:
             a, b = (args[1], args[2]) if func in (_aten.addmm.default, _aten.baddbmm.default) else args[:2]
+            expert = self._expert_op()
             if a.dim() == 2:
-                c.gemms.append((a.shape[0], b.shape[1], a.shape[1], 1, self.in_core))
+                c.gemms.append((a.shape[0], b.shape[1], a.shape[1], 1, self.in_core, expert))
             else:
-                c.gemms.append((a.shape[1], b.shape[2], a.shape[2], a.shape[0], self.in_core))
+                c.gemms.append((a.shape[1], b.shape[2], a.shape[2], a.shape[0], self.in_core, expert))
             c.kernels += 1
         elif "scaled_dot_product" in name:
             c.attention_flops += flop_registry[func.overloadpacket](*args, out_val=out, **kwargs)
@@ -244,6 +254,9 @@ class _Measurement:
     bwd: _Census
     saved_bytes: float
     core_saved_bytes: float
+    expert_params: float
+    expert_saved_bytes: float
+    dispatch_bytes: float
     input_bytes: float
     output_bytes: float
     output: torch.Tensor
@@ -251,6 +264,62 @@ class _Measurement:
 
 def _cores(unit: nn.Module) -> list[nn.Module]:
     return [m for name, m in unit.named_modules() if name.endswith("attention.core")]
+
+
+def _routed_experts(unit: nn.Module) -> list[nn.Module]:
+    from autoplan.models.zoo.moe import GroupedExperts
+    return [m for m in unit.modules() if isinstance(m, GroupedExperts)]
+
+
+class _ExpertNodes:
+    """The autograd nodes the routed experts' forward created (a range of sequence numbers
+    per call), so that backward kernels can be attributed to the experts too: in backward
+    no module hook runs, but ``torch._C._current_autograd_node()`` names the node running."""
+
+    def __init__(self):
+        self.ranges: list[tuple[int, int]] = []
+        self.input_bytes = 0.0
+        """Bytes of the token slots the experts received (the dispatch buffer)."""
+        self._start = 0
+
+    def enter(self, x: torch.Tensor) -> None:
+        # A throwaway view creates the next autograd node: its number bounds the range.
+        self._start = x.view_as(x).grad_fn._sequence_nr() if x.requires_grad else 0
+        self.input_bytes += x.nbytes
+
+    def exit(self, out: torch.Tensor) -> None:
+        if out.grad_fn is not None:
+            self.ranges.append((self._start, out.grad_fn._sequence_nr()))
+
+    def running(self) -> bool:
+        node = torch._C._current_autograd_node()
+        if node is None:
+            return False
+        n = node._sequence_nr()
+        return any(a < n <= b for a, b in self.ranges)
+
+
+@contextmanager
+def _flag_experts(unit: nn.Module, flags: list, nodes: _ExpertNodes):
+    """Sets ``in_experts`` on every object in ``flags`` while routed experts run forward, and
+    records their autograd nodes in ``nodes``."""
+    handles = []
+    for experts in _routed_experts(unit):
+        def pre(_m, args):
+            nodes.enter(args[0])
+            for f in flags:
+                f.in_experts = True
+
+        def post(_m, _a, out):
+            nodes.exit(out)
+            for f in flags:
+                f.in_experts = False
+        handles += [experts.register_forward_pre_hook(pre), experts.register_forward_hook(post)]
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
 
 
 @contextmanager
@@ -282,8 +351,10 @@ class _SavedBytes:
         self.params = param_storages
         self.seen: dict[int, int] = {}
         self.core: dict[int, int] = {}
+        self.experts: dict[int, int] = {}
         self.core_inputs: set[int] = set()
         self.in_core = False
+        self.in_experts = False
 
     def pack(self, t: torch.Tensor):
         key = t.untyped_storage()._cdata
@@ -292,6 +363,8 @@ class _SavedBytes:
             self.seen.setdefault(key, nbytes)
             if self.in_core:
                 self.core.setdefault(key, nbytes)
+            if self.in_experts:
+                self.experts.setdefault(key, nbytes)
         return t
 
 
@@ -303,20 +376,24 @@ def _measure(unit: nn.Module, x: torch.Tensor, loss=None) -> _Measurement:
                for t in (x if isinstance(x, tuple) else (x,)))
     saved = _SavedBytes(param_storages)
     census_f = _CensusMode()
-    with _flag_cores(unit, [saved, census_f]):
+    nodes = _ExpertNodes()
+    with _flag_cores(unit, [saved, census_f]), _flag_experts(unit, [saved, census_f], nodes):
         with FlopCounterMode(display=False) as fc_f:
             with census_f, torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t):
                 out = unit(*xs)
                 scalar = loss(out) if loss is not None else out.float().sum()
     # Inputs of the core (q, k, v) stay saved when the core is recomputed.
     core_saved = sum(n for k, n in saved.core.items() if k not in saved.core_inputs)
-    census_b = _CensusMode()
+    census_b = _CensusMode(nodes)
     with FlopCounterMode(display=False) as fc_b, census_b:
         scalar.backward()
+    expert_params = float(sum(p.numel() for e in _routed_experts(unit) for p in e.parameters()))
     return _Measurement(
         params=params, flops_fwd=float(fc_f.get_total_flops()), flops_bwd=float(fc_b.get_total_flops()),
         fwd=census_f.census, bwd=census_b.census, saved_bytes=float(sum(saved.seen.values())),
-        core_saved_bytes=float(core_saved), input_bytes=float(sum(t.nbytes for t in xs)),
+        core_saved_bytes=float(core_saved), expert_params=expert_params,
+        expert_saved_bytes=float(sum(saved.experts.values())), dispatch_bytes=float(nodes.input_bytes),
+        input_bytes=float(sum(t.nbytes for t in xs)),
         output_bytes=float(out.nbytes) if loss is None else 0.0, output=out.detach())
 
 
@@ -340,7 +417,7 @@ def _split(base: float, wide: float) -> Split:
 def _gemms(base: list, wide: list | None, batch2: list) -> tuple[Gemm, ...]:
     out = []
     for i, g in enumerate(base):
-        m, n, k, c, in_core = g
+        m, n, k, c, in_core, expert = g
         dims = {"m": m, "n": n, "k": k, "count": c}
         names = ("m", "n", "k", "count")
         shard = ""
@@ -352,7 +429,7 @@ def _gemms(base: list, wide: list | None, batch2: list) -> tuple[Gemm, ...]:
         grown = [d for d in names if b2[d] > dims[d]]
         batch_dim = grown[0] if grown else "m"
         out.append(Gemm(m=float(m), n=float(n), k=float(k), count=float(c), shard_dim=shard,
-                        batch_dim=batch_dim, in_core=in_core))
+                        batch_dim=batch_dim, in_core=in_core, expert=expert))
     return tuple(out)
 
 
@@ -375,7 +452,8 @@ def _tp_allreduces(unit: nn.Module) -> int:
 
 
 def _layer_spec(name: str, unit: nn.Module, base: _Measurement, wide: _Measurement | None,
-                batch2: _Measurement, causal: bool, sharded: bool, kind: str | None = None) -> LayerSpec:
+                batch2: _Measurement, causal: bool, sharded: bool, kind: str | None = None,
+                capacity_factor: float | None = None) -> LayerSpec:
     def sp(attr_base, attr_wide):
         return _split(attr_base, attr_wide) if wide is not None else Split(replicated=attr_base)
 
@@ -384,6 +462,13 @@ def _layer_spec(name: str, unit: nn.Module, base: _Measurement, wide: _Measureme
     core = sp(base.core_saved_bytes, w.core_saved_bytes)
     selective = Split(max(none.replicated - core.replicated, 0.0), max(none.sharded - core.sharded, 0.0))
     full = Split(replicated=base.input_bytes)
+    experts = None
+    moe = getattr(unit, "moe", None)
+    if moe is not None and base.expert_params:
+        experts = ExpertSpec(num_experts=moe.num_experts, top_k=moe.top_k,
+                             params=sp(base.expert_params, w.expert_params),
+                             activation_bytes=sp(base.expert_saved_bytes, w.expert_saved_bytes),
+                             dispatch_bytes=base.dispatch_bytes, capacity_factor=capacity_factor)
     return LayerSpec(
         name=name, kind=kind or _unit_kind(unit),
         params=sp(base.params, w.params),
@@ -399,7 +484,7 @@ def _layer_spec(name: str, unit: nn.Module, base: _Measurement, wide: _Measureme
         activation_bytes=ActivationBytes(none=none, selective=selective, full=full),
         output_bytes=base.output_bytes,
         tp_allreduces_fwd=_tp_allreduces(unit) if sharded else 0,
-        causal=causal)
+        causal=causal, experts=experts)
 
 
 def _prepare(model: nn.Module, dtype: torch.dtype, flash: bool, causal: bool,
@@ -450,8 +535,15 @@ def spec_from_config(cfg, dtype: str = "bf16") -> ModelSpec:
     causal = bool(getattr(cfg, "causal", False))
     shardable = hasattr(cfg, "with_shard")
     # A uniform stack repeats one block: measure a one-block model, then replicate its spec.
+    # A mixture of experts with dense first blocks repeats two kinds: measure one of each.
+    # Its routed experts are measured at balanced load (capacity = tokens x top_k / experts,
+    # no padding, nothing dropped): the active-parameter work; the cost model applies the
+    # routing's capacity factor or imbalance.
     uniform = is_lm
-    probe_cfg = dataclasses.replace(cfg, layers=1) if uniform else cfg
+    moe = getattr(cfg, "arch", "") == "moe"
+    dense = min(cfg.dense_layers, 1) if moe else 0
+    probe_cfg = dataclasses.replace(cfg, layers=1 + dense, **(
+        dict(dense_layers=dense, capacity_factor=1.0) if moe else {})) if uniform else cfg
 
     def units_and_inputs(c, batch):
         with torch.device("meta"):
@@ -486,13 +578,16 @@ def spec_from_config(cfg, dtype: str = "bf16") -> ModelSpec:
     for i, (unit, m) in enumerate(base_units):
         wide = runs["wide"][i][1] if shardable else None
         kind = _unit_kind(unit)
-        layers.append(_layer_spec(kind, unit, m, wide, runs["batch2"][i][1], causal, shardable))
+        layers.append(_layer_spec(kind, unit, m, wide, runs["batch2"][i][1], causal, shardable,
+                                  capacity_factor=getattr(cfg, "capacity_factor", None)))
     if uniform:
-        emb, block, head = layers[0], layers[1], layers[-1]
+        emb, head = layers[0], layers[-1]
+        blocks = [layers[1]] * (cfg.dense_layers if dense else 0)
+        blocks += [layers[1 + dense]] * (cfg.layers - len(blocks))
         # Blocks differ only in their attention window (Gemma 2 alternates local and global).
         layers = [emb] + [dataclasses.replace(
-            block, name=f"block.{i}", attention_fraction=window_fraction(cfg.seq_len, cfg.layer_window(i)))
-            for i in range(cfg.layers)] + [head]
+            b, name=f"block.{i}", attention_fraction=window_fraction(cfg.seq_len, cfg.layer_window(i)))
+            for i, b in enumerate(blocks)] + [head]
     else:
         counts: dict[str, int] = {}
         renamed = []

@@ -12,11 +12,13 @@ from typing import Any, Mapping
 
 from autoplan.errors import ConfigError
 from autoplan.fields import FieldReader, load_json
-from autoplan.models.config import TransformerConfig
+from autoplan.limits import MAX_EXPERTS, MAX_FFN, MAX_HIDDEN, MAX_LAYERS
+from autoplan.models.config import MAX_AUX_LOSS_COEFF, TransformerConfig
 from autoplan.models.presets import apply_overrides
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "mixtral", "qwen2", "gpt2", "gpt_neox", "bert",
                          "qwen3", "olmo2", "phi3", "gemma2")
+SUPPORTED_MODEL_TYPES += ("qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3")   # mixtures of experts
 
 MAX_CONFIG_BYTES = 4 * 2**20
 """A config.json is a few kilobytes; anything far larger is not one."""
@@ -32,6 +34,10 @@ _FAMILY: dict[str, tuple[str, str, bool]] = {
     "mistral": ("llama", "rope", False),
     "qwen2": ("llama", "rope", False),   # with q/k/v biases (qkv_bias)
     "mixtral": ("moe", "rope", False),
+    "qwen2_moe": ("moe", "rope", False),   # with q/k/v biases; the shared expert's gate ignored
+    "qwen3_moe": ("moe", "rope", False),   # per-head q/k norms ignored (256 parameters a layer)
+    "deepseek_v2": ("moe", "rope", False),
+    "deepseek_v3": ("moe", "rope", False),  # the multi-token-prediction module is not read
     "gpt_neox": ("gpt", "rope", False),  # parallel residual and partial rotary ignored
     "gpt2": ("gpt", "learned", True),
     "bert": ("bert", "learned", True),
@@ -47,7 +53,70 @@ _GPT2_KEYS = {"hidden": "n_embd", "layers": "n_layer", "heads": "n_head", "ffn_h
               "vocab": "vocab_size"}
 _KEYS = {"hidden": "hidden_size", "layers": "num_hidden_layers", "heads": "num_attention_heads",
          "ffn_hidden": "intermediate_size", "vocab": "vocab_size", "kv_heads": "num_key_value_heads",
-         "head_dim": "head_dim", "num_experts": "num_local_experts", "top_k": "num_experts_per_tok"}
+         "head_dim": "head_dim"}
+
+
+# Mixture-of-experts fields per family: TransformerConfig field -> config.json key (None: the
+# family has no such key and the field keeps its default). Counts of shared experts are
+# turned into a width below.
+_MOE_KEYS: dict[str, dict[str, str]] = {
+    "mixtral": {"num_experts": "num_local_experts", "top_k": "num_experts_per_tok",
+                "aux_loss_coeff": "router_aux_loss_coef"},
+    "qwen2_moe": {"num_experts": "num_experts", "top_k": "num_experts_per_tok",
+                  "moe_ffn_hidden": "moe_intermediate_size", "shared_ffn_hidden": "shared_expert_intermediate_size",
+                  "normalize_top_k": "norm_topk_prob", "aux_loss_coeff": "router_aux_loss_coef"},
+    "qwen3_moe": {"num_experts": "num_experts", "top_k": "num_experts_per_tok",
+                  "moe_ffn_hidden": "moe_intermediate_size", "normalize_top_k": "norm_topk_prob",
+                  "aux_loss_coeff": "router_aux_loss_coef"},
+    "deepseek_v2": {"num_experts": "n_routed_experts", "top_k": "num_experts_per_tok",
+                    "moe_ffn_hidden": "moe_intermediate_size", "dense_layers": "first_k_dense_replace",
+                    "normalize_top_k": "norm_topk_prob", "aux_loss_coeff": "aux_loss_alpha",
+                    "kv_lora_rank": "kv_lora_rank", "q_lora_rank": "q_lora_rank", "head_dim": "qk_nope_head_dim",
+                    "rope_head_dim": "qk_rope_head_dim", "v_head_dim": "v_head_dim"},
+}
+_MOE_KEYS["deepseek_v3"] = _MOE_KEYS["deepseek_v2"]
+# transformers' class defaults for keys a saved config.json may omit.
+_MOE_DEFAULTS = {"normalize_top_k": {"qwen2_moe": False, "qwen3_moe": False, "deepseek_v2": False,
+                                     "deepseek_v3": True},
+                 "aux_loss_coeff": {"mixtral": 0.001, "qwen2_moe": 0.001, "qwen3_moe": 0.001,
+                                    "deepseek_v2": 0.001, "deepseek_v3": 0.001}}
+
+
+def _moe_fields(r: FieldReader, model_type: str) -> tuple[dict[str, Any], dict[str, str]]:
+    """The mixture-of-experts (and latent-attention) fields of a config, and the keys they came
+    from (for error messages). Layer patterns the zoo cannot build are refused by name."""
+    keys = _MOE_KEYS[model_type]
+    out: dict[str, Any] = {"num_experts": r.int(keys["num_experts"], minimum=2, maximum=MAX_EXPERTS),
+                           "top_k": r.int(keys["top_k"], minimum=1, maximum=MAX_EXPERTS)}
+    if "moe_ffn_hidden" in keys:
+        out["moe_ffn_hidden"] = r.int(keys["moe_ffn_hidden"], minimum=1, maximum=MAX_FFN)
+    if "normalize_top_k" in keys:
+        out["normalize_top_k"] = r.bool(keys["normalize_top_k"], _MOE_DEFAULTS["normalize_top_k"][model_type])
+    out["aux_loss_coeff"] = r.float(keys["aux_loss_coeff"], _MOE_DEFAULTS["aux_loss_coeff"][model_type],
+                                    minimum=0.0, maximum=MAX_AUX_LOSS_COEFF)
+    if model_type == "qwen2_moe":
+        out["shared_ffn_hidden"] = r.int(keys["shared_ffn_hidden"], 0, minimum=0, maximum=MAX_FFN)
+    if model_type in ("qwen2_moe", "qwen3_moe"):
+        step = r.int("decoder_sparse_step", 1, minimum=1, maximum=MAX_LAYERS)
+        dense = r.ints("mlp_only_layers", [], minimum=0, maximum=MAX_LAYERS, max_len=MAX_LAYERS)
+        if step != 1 or dense != list(range(len(dense))):
+            bad = "decoder_sparse_step" if step != 1 else "mlp_only_layers"
+            raise ConfigError(r.path(bad), "interleaves dense and expert layers, which the zoo cannot build "
+                              "(it supports dense layers only before the first expert layer)",
+                              "use decoder_sparse_step 1 and mlp_only_layers [0, 1, ..., k-1]")
+        out["dense_layers"] = len(dense)
+    if model_type.startswith("deepseek"):
+        freq = r.int("moe_layer_freq", 1, minimum=1, maximum=MAX_LAYERS)
+        if freq != 1:
+            raise ConfigError(r.path("moe_layer_freq"), f"is {freq}: interleaved dense and expert layers "
+                              "are not supported by the zoo", "use moe_layer_freq 1")
+        out["dense_layers"] = r.int(keys["dense_layers"], 0, minimum=0, maximum=MAX_LAYERS)
+        routed = out.get("moe_ffn_hidden", 0)
+        out["shared_ffn_hidden"] = r.int("n_shared_experts", 0, minimum=0, maximum=MAX_EXPERTS) * routed
+        for f in ("kv_lora_rank", "head_dim", "rope_head_dim", "v_head_dim"):
+            out[f] = r.int(keys[f], minimum=1, maximum=MAX_HIDDEN)
+        out["q_lora_rank"] = r.int(keys["q_lora_rank"], None, minimum=1, maximum=MAX_HIDDEN) or 0
+    return out, keys
 
 
 def _load(source: str | os.PathLike | Mapping) -> tuple[Any, str, Path | None]:
@@ -105,10 +174,14 @@ def config_from_hf(source: str | os.PathLike | Mapping, **overrides: Any) -> Tra
     optional = ["ffn_hidden"] if gpt2 else []   # GPT-2's n_inner: null means 4h
     if arch in ("llama", "moe"):
         optional += ["kv_heads", "head_dim"]
-    if arch == "moe":
-        required += ["num_experts", "top_k"]
+    moe_keys: dict[str, str] = {}
+    if arch == "moe" and model_type.startswith("deepseek"):
+        optional.remove("head_dim")     # DeepSeek's head widths are qk_nope/qk_rope/v_head_dim
     fields = {f: r.int(keys[f], minimum=1) for f in required}
     fields.update({f: r.int(keys[f], None, minimum=1) for f in optional})
+    if arch == "moe":
+        moe, moe_keys = _moe_fields(r, model_type)
+        fields.update(moe)
     if gpt2:
         max_positions = r.int("n_positions", None, minimum=1) or r.int("n_ctx", minimum=1)
     else:
@@ -129,7 +202,7 @@ def config_from_hf(source: str | os.PathLike | Mapping, **overrides: Any) -> Tra
             raise
         # Cross-field problems (heads not dividing hidden, ...) are reported against the
         # file's own key, which is what the user has to edit.
-        raise ConfigError(r.path(keys.get(e.field, e.field)), e.problem, e.fix) from None
+        raise ConfigError(r.path({**keys, **moe_keys}.get(e.field, e.field)), e.problem, e.fix) from None
 
 
 _EPS_KEYS = ("rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon")
@@ -145,10 +218,16 @@ def _facts(r: FieldReader, model_type: str, position: str) -> dict:
         scaling = r.raw("rope_scaling", None)
         if isinstance(scaling, Mapping):
             kind = scaling.get("rope_type", scaling.get("type"))
-            if kind != "llama3":
+            if kind == "yarn" and model_type.startswith("deepseek"):
+                # DeepSeek's YaRN context extension changes no shape or cost of training at
+                # the planned sequence length; it is not carried.
+                scaling = None
+            elif kind != "llama3":
                 raise ConfigError(r.path("rope_scaling"), f"rope scaling {kind!r} is not supported",
                                   "only Llama 3.1's 'llama3' scaling is")
-            out["rope_scaling_factor"] = FieldReader(scaling, r.path("rope_scaling")).float("factor", positive=True)
+            if scaling is not None:
+                out["rope_scaling_factor"] = FieldReader(scaling, r.path("rope_scaling")).float("factor",
+                                                                                               positive=True)
         elif scaling is not None:
             raise ConfigError(r.path("rope_scaling"), f"must be an object or null, got {scaling!r}")
     for key in _EPS_KEYS:
@@ -156,7 +235,7 @@ def _facts(r: FieldReader, model_type: str, position: str) -> dict:
         if eps is not None:
             out["norm_eps"] = float(eps)
             break
-    if model_type == "qwen2":
+    if model_type in ("qwen2", "qwen2_moe"):
         out["qkv_bias"] = True   # Qwen2's attention always has q/k/v biases
     elif r.has("attention_bias"):
         out["qkv_bias"] = r.bool("attention_bias")

@@ -28,6 +28,21 @@ def _llama(name: str, layers: int, hidden: int, heads: int, kv_heads: int, ffn: 
                              kv_heads=kv_heads, ffn_hidden=ffn, vocab=vocab, seq_len=seq_len, **kw)
 
 
+def _moe(name: str, layers: int, hidden: int, heads: int, kv_heads: int, ffn: int, experts: int, top_k: int,
+         vocab: int, seq_len: int = 4096, **kw: Any) -> TransformerConfig:
+    """A Llama-shaped decoder whose MLPs are routed experts (``ffn`` is the dense MLP width,
+    used by the experts unless ``moe_ffn_hidden`` is given, and by ``dense_layers``)."""
+    return TransformerConfig(name=name, arch="moe", layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads,
+                             ffn_hidden=ffn, num_experts=experts, top_k=top_k, vocab=vocab, seq_len=seq_len, **kw)
+
+
+_MLA_128 = dict(head_dim=128, rope_head_dim=64, v_head_dim=128, norm_eps=1e-6)
+"""DeepSeek-V2/V3 latent attention head shapes (qk_nope_head_dim, qk_rope_head_dim, v_head_dim)
+and their RMSNorm epsilon (config.json "rms_norm_eps"; RoPE base 10000, the default)."""
+_QWEN_FACTS = dict(rope_theta=1e6, norm_eps=1e-6)
+"""Qwen1.5-MoE and Qwen3-MoE config.json "rope_theta" and "rms_norm_eps"."""
+
+
 def _bert(name: str, layers: int, hidden: int, heads: int, **kw: Any) -> TransformerConfig:
     # BERT ties its MLM decoder to the word embeddings (Devlin et al. 2019).
     # ... and its LayerNorms use eps 1e-12 (google-bert config.json "layer_norm_eps").
@@ -70,12 +85,35 @@ _ALL: list[ModelConfig] = [
     # BERT (Devlin et al. 2019): vocab 30522 (uncased WordPiece), 512 positions.
     _bert("bert-base", 12, 768, 12),
     _bert("bert-large", 24, 1024, 16),
-    # Mixtral 8x7B (Jiang et al. 2024): Mistral-7B attention, 8 SwiGLU experts, top-2.
-    # Expert-choice routing (see zoo.transformer.MoE) has exactly Mixtral's parameters.
-    # RoPE base 1e6 (mistralai/Mixtral-8x7B-v0.1 config.json "rope_theta").
-    TransformerConfig(name="mixtral-8x7b", arch="moe", layers=32, hidden=4096, heads=32,
-                      kv_heads=8, ffn_hidden=14336, num_experts=8, top_k=2, vocab=32000,
-                      seq_len=4096, rope_theta=1e6),
+    # Mixture of experts (zoo.moe: top-k token choice, dropless unless a capacity factor is given).
+    # Mixtral 8x7B / 8x22B (Jiang et al. 2024; mistralai config.json): Mistral attention,
+    # 8 SwiGLU experts, top-2, RoPE base 1e6.
+    _moe("mixtral-8x7b", 32, 4096, 32, 8, 14336, 8, 2, 32000, aux_loss_coeff=0.02, rope_theta=1e6),
+    _moe("mixtral-8x22b", 56, 6144, 48, 8, 16384, 8, 2, 32768, aux_loss_coeff=0.001, rope_theta=1e6),
+    # Qwen1.5-MoE-A2.7B (model_type qwen2_moe): 60 fine-grained experts, top-4, one shared
+    # expert, softmax weights not renormalised, q/k/v biases. The shared expert's 1-output gate
+    # (< 0.01% of the parameters) is left out.
+    _moe("qwen1.5-moe-a2.7b", 24, 2048, 16, 16, 5632, 60, 4, 151936, moe_ffn_hidden=1408,
+         shared_ffn_hidden=5632, normalize_top_k=False, aux_loss_coeff=0.001, **_QWEN_FACTS, qkv_bias=True),
+    # Qwen3-MoE (Qwen3 technical report, Yang et al. 2025; config.json): 128 experts, top-8,
+    # head_dim 128, no shared experts; per-head q/k RMSNorm (256 parameters a layer) left out.
+    _moe("qwen3-30b-a3b", 48, 2048, 32, 4, 6144, 128, 8, 151936, moe_ffn_hidden=768, head_dim=128,
+         aux_loss_coeff=0.001, **_QWEN_FACTS),
+    _moe("qwen3-235b-a22b", 94, 4096, 64, 4, 12288, 128, 8, 151936, moe_ffn_hidden=1536, head_dim=128,
+         aux_loss_coeff=0.001, **_QWEN_FACTS),
+    # DeepSeek-V2 / V2-Lite (DeepSeek-AI 2024) and V3 (DeepSeek-AI 2024, Sec. 4.2), shapes and
+    # aux-loss weights as in their config.json: multi-head latent attention, shared experts,
+    # dense first blocks. V3's sigmoid, group-limited routing changes no shape (softmax top-k
+    # here); its multi-token-prediction module (14B) is not part of the 671B main model.
+    _moe("deepseek-v2-lite", 27, 2048, 16, 16, 10944, 64, 6, 102400, moe_ffn_hidden=1408,
+         shared_ffn_hidden=2 * 1408, dense_layers=1, normalize_top_k=False, aux_loss_coeff=0.001,
+         **_MLA_128, kv_lora_rank=512),
+    _moe("deepseek-v2", 60, 5120, 128, 128, 12288, 160, 6, 102400, moe_ffn_hidden=1536,
+         shared_ffn_hidden=2 * 1536, dense_layers=1, normalize_top_k=False, aux_loss_coeff=0.001,
+         **_MLA_128, kv_lora_rank=512, q_lora_rank=1536),
+    _moe("deepseek-v3", 61, 7168, 128, 128, 18432, 256, 8, 129280, moe_ffn_hidden=2048,
+         shared_ffn_hidden=2048, dense_layers=3, aux_loss_coeff=0.001,
+         **_MLA_128, kv_lora_rank=512, q_lora_rank=1536),
     # Swin (Liu et al. 2021, Sec. 3.3): ImageNet-1k classifiers at 224x224, window 7.
     SwinConfig(name="swin-t", embed_dim=96, depths=(2, 2, 6, 2), heads=(3, 6, 12, 24)),
     SwinConfig(name="swin-b", embed_dim=128, depths=(2, 2, 18, 2), heads=(4, 8, 16, 32)),
@@ -97,6 +135,12 @@ _ALL: list[ModelConfig] = [
                       embed_scale=True, tie_embeddings=True),
     TransformerConfig(name="moe-tiny", arch="moe", layers=2, hidden=64, heads=4, kv_heads=2,
                       ffn_hidden=128, num_experts=4, top_k=2, vocab=256, seq_len=32),
+    # DeepSeek's layout in miniature: a dense first block, then latent attention with shared
+    # and fine-grained routed experts.
+    TransformerConfig(name="deepseek-tiny", arch="moe", layers=3, hidden=64, heads=4, ffn_hidden=128,
+                      num_experts=4, top_k=2, moe_ffn_hidden=32, shared_ffn_hidden=32, dense_layers=1,
+                      kv_lora_rank=16, q_lora_rank=32, head_dim=16, rope_head_dim=8, v_head_dim=16,
+                      vocab=256, seq_len=32),
     TransformerConfig(name="bert-tiny", arch="bert", layers=2, hidden=64, heads=4, vocab=256,
                       seq_len=32, tie_embeddings=True),
     SwinConfig(name="swin-tiny-test", image_size=32, patch_size=2, embed_dim=16, depths=(2, 2, 2),
@@ -121,6 +165,17 @@ PUBLISHED_PARAMS: dict[str, tuple[float, str]] = {
     "llama3-405b": (405.8e9, "Grattafiori et al. 2024 (Llama 3.1); meta-llama/Llama-3.1-405B: 405.8B"),
     "mixtral-8x7b": (46.7e9, "Jiang et al. 2024 (Mixtral of Experts, '47B'); "
                              "mistralai/Mixtral-8x7B-v0.1: 46.7B"),
+    "mixtral-8x22b": (141e9, "Mistral AI, 'Cheaper, Better, Faster, Stronger' (Mixtral 8x22B release, "
+                             "2024-04-17): 141B parameters, 39B active"),
+    "qwen1.5-moe-a2.7b": (14.3e9, "Qwen team, 'Qwen1.5-MoE: Matching 7B Model Performance with 1/3 "
+                                  "Activated Parameters' (2024): 14.3B in total, 2.7B activated"),
+    "qwen3-30b-a3b": (30.5e9, "Qwen/Qwen3-30B-A3B model card: 30.5B in total, 3.3B activated"),
+    "qwen3-235b-a22b": (235e9, "Qwen/Qwen3-235B-A22B model card: 235B in total, 22B activated"),
+    "deepseek-v2-lite": (15.7e9, "DeepSeek-AI 2024, DeepSeek-V2 (arXiv 2405.04434), DeepSeek-V2-Lite: "
+                                 "15.7B total, 2.4B activated per token"),
+    "deepseek-v2": (236e9, "DeepSeek-AI 2024, DeepSeek-V2 (arXiv 2405.04434): 236B total, 21B activated"),
+    "deepseek-v3": (671e9, "DeepSeek-AI 2024, DeepSeek-V3 Technical Report (arXiv 2412.19437): 671B total, "
+                           "37B activated (the 14B multi-token-prediction module excluded)"),
     "bert-base": (110e6, "Devlin et al. 2019, Sec. 3 ('110M')"),
     "bert-large": (336e6, "Devlin et al. 2019 ('340M'); google-bert/bert-large-uncased: 336M"),
     "swin-t": (28.3e6, "Liu et al. 2021, Table 1(a) ('28M'); 28,288,354 in the released "
@@ -128,6 +183,19 @@ PUBLISHED_PARAMS: dict[str, tuple[float, str]] = {
     "swin-b": (88e6, "Liu et al. 2021, Table 1(a) ('88M')"),
 }
 """Preset name -> (published parameter count, where it is published)."""
+
+PUBLISHED_ACTIVE_PARAMS: dict[str, float] = {
+    "mixtral-8x7b": 12.9e9,      # Jiang et al. 2024: '13B active parameters'; Mistral AI: 12.9B
+    "mixtral-8x22b": 39e9,
+    "qwen1.5-moe-a2.7b": 2.7e9,
+    "qwen3-30b-a3b": 3.3e9,
+    "qwen3-235b-a22b": 22e9,
+    "deepseek-v2-lite": 2.4e9,
+    "deepseek-v2": 21e9,
+    "deepseek-v3": 37e9,
+}
+"""Mixture-of-experts preset -> published parameters active per token (same sources as
+PUBLISHED_PARAMS); publications round these, and some leave the embedding out."""
 
 
 def list_presets() -> list[str]:

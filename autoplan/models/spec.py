@@ -53,17 +53,27 @@ class Gemm:
     """Which dimension grows with the micro-batch size ('m' for linears, 'count' for batched attention)."""
     in_core: bool = False
     """Part of the attention core that selective recomputation re-runs."""
+    expert: bool = False
+    """A routed experts' grouped matmul: ``count`` experts, each on ``m`` token slots (measured
+    at balanced load); expert parallelism divides the experts and gathers their tokens."""
 
     @property
     def flops(self) -> float:
         return 2.0 * self.m * self.n * self.k * self.count
 
-    def shape(self, micro_batch: int, tp: int) -> tuple[float, float, float, float]:
-        """(m, n, k, count) for a micro-batch on one tensor-parallel rank."""
+    def shape(self, micro_batch: int, tp: int, ep: int = 1, load: float = 1.0) -> tuple[float, float, float, float]:
+        """(m, n, k, count) for a micro-batch on one rank under tensor parallelism ``tp`` and,
+        for expert matmuls, expert parallelism ``ep``: the rank holds count / ep experts, each
+        receiving its tokens from all ep ranks, times ``load`` (the busiest rank's load over
+        the balanced one)."""
         dims = {"m": self.m, "n": self.n, "k": self.k, "count": self.count}
         dims[self.batch_dim] *= micro_batch
         if self.shard_dim:
             dims[self.shard_dim] /= tp
+        if self.expert:
+            rows = "k" if self.batch_dim == "k" else "m"   # weight gradients reduce over tokens
+            dims["count"] /= ep
+            dims[rows] *= ep * load
         return dims["m"], dims["n"], dims["k"], dims["count"]
 
 
@@ -99,6 +109,29 @@ class ActivationBytes:
 
     def __getitem__(self, mode: str) -> Split:
         return getattr(self, mode)
+
+
+@dataclass(frozen=True)
+class ExpertSpec:
+    """The routed experts of a mixture-of-experts unit, measured at balanced load (every
+    expert receives tokens x top_k / num_experts token slots)."""
+
+    num_experts: int
+    """Routed experts in the unit."""
+    top_k: int
+    """Experts each token is sent to."""
+    params: Split
+    """Parameters of all routed experts (part of ``LayerSpec.params``; expert parallelism
+    divides them, tensor parallelism shards them like a dense MLP)."""
+    activation_bytes: Split
+    """Bytes saved for backward inside the routed experts per sample (part of the unit's
+    'none' and 'selective' activations); they grow with the load of the busiest expert rank."""
+    dispatch_bytes: float
+    """Bytes of the routed token copies per sample (tokens x top_k x hidden x dtype size):
+    what one dispatch or combine all-to-all moves out of a rank at balanced load."""
+    capacity_factor: float | None = None
+    """Token slots per expert over the balanced load when the model drops tokens past it
+    (every slot is computed and sent, full or not); None = dropless routing."""
 
 
 @dataclass(frozen=True)
@@ -149,6 +182,8 @@ class LayerSpec:
     attention_fraction: float = 1.0
     """Share of that (causal) work a fused attention kernel does: 1 = every pair; a sliding
     window of w tokens over a sequence of s leaves about w/s of it."""
+    experts: ExpertSpec | None = None
+    """The unit's routed experts (mixture-of-experts units only)."""
 
     def __post_init__(self):
         # Specs are hashed on every cost lookup; compute the hash once.
@@ -194,8 +229,21 @@ class ModelSpec:
     def num_params(self) -> float:
         return sum(l.params.total for l in self.layers) - self.shared_params
 
+    @property
+    def num_experts(self) -> int:
+        """Routed experts per MoE unit (0 for a dense model); expert parallelism divides it."""
+        return max((l.experts.num_experts for l in self.layers if l.experts), default=0)
+
+    @property
+    def active_params(self) -> float:
+        """Parameters one token passes through: all but the routed experts it is not sent to."""
+        idle = sum(l.experts.params.total * (1 - l.experts.top_k / l.experts.num_experts)
+                   for l in self.layers if l.experts)
+        return self.num_params - idle
+
     def flops_per_sample(self) -> float:
-        """Model FLOPs of forward + backward for one sample (no recomputation)."""
+        """Model FLOPs of forward + backward for one sample (no recomputation); for a mixture
+        of experts the active-parameter FLOPs (each token through its top_k experts)."""
         return sum(l.flops_fwd.total + l.flops_bwd.total for l in self.layers)
 
     def tp_degrees(self, limit: int = 64) -> list[int]:
@@ -212,7 +260,9 @@ class ModelSpec:
         return out
 
     def describe(self) -> str:
-        return (f"{self.name}: {self.num_params / 1e9:.2f}B parameters, {self.num_layers} units, "
+        active = (f" ({self.active_params / 1e9:.2f}B active, {self.num_experts} experts)"
+                  if self.num_experts else "")
+        return (f"{self.name}: {self.num_params / 1e9:.2f}B parameters{active}, {self.num_layers} units, "
                 f"seq {self.seq_len}, {self.flops_per_sample() / 1e12:.1f} TFLOP per sample (fwd+bwd)")
 
 

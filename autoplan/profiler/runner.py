@@ -92,6 +92,17 @@ class ProfileResult:
 
 
 # ------------------------------------------------------------------ planning
+def _is_moe(source: str) -> bool:
+    """Whether a preset name or config.json path describes a mixture of experts."""
+    from autoplan.models.presets import PRESETS
+    if source.lower() in PRESETS:
+        return getattr(PRESETS[source.lower()], "arch", "") == "moe"
+    if source.endswith(".json") or os.sep in source or Path(source).is_file():
+        from autoplan.models.hf import config_from_hf
+        return config_from_hf(source).arch == "moe"
+    return False
+
+
 def _configs(model, seq_lens: Sequence[int] | None) -> list[tuple[str, TransformerConfig]]:
     """(label, one-block config at each sequence length) for one model source."""
     from autoplan.models.config import SwinConfig
@@ -105,6 +116,11 @@ def _configs(model, seq_lens: Sequence[int] | None) -> list[tuple[str, Transform
 
     def at(seq: int | None) -> TransformerConfig:
         over = {"layers": 1, **({"seq_len": seq} if seq else {})}
+        if getattr(model, "arch", None) == "moe" or (isinstance(model, str) and _is_moe(model)):
+            # Profile the expert block at balanced load, the work its spec describes (the
+            # cost model applies the routing's capacity factor or imbalance); dense first
+            # blocks of such a model are left to the roofline.
+            over.update(dense_layers=0, capacity_factor=1.0)
         if isinstance(model, TransformerConfig):
             c = model.resolved()
             if seq and c.position == "learned" and c.max_positions < seq:

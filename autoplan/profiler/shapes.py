@@ -20,8 +20,9 @@ import math
 from dataclasses import dataclass
 
 from autoplan.errors import ConfigError
+from autoplan.limits import MAX_EXPERTS
 from autoplan.models.config import TransformerConfig
-from autoplan.models.spec import ActivationBytes, Gemm, LayerSpec, Split
+from autoplan.models.spec import ActivationBytes, ExpertSpec, Gemm, LayerSpec, Split
 
 TOKEN_ID_BYTES = 8
 """Bytes per input element of an embedding unit: token ids are int64."""
@@ -71,7 +72,8 @@ def _gemm_signature(g: Gemm, tokens: int) -> tuple:
     else:
         # Batched attention products: the s x s dimensions scale with the sequence.
         dims = tuple("s" if tokens and round(v) == tokens else _round(v) for v in (g.m, g.n, g.k, g.count))
-    return dims + (g.shard_dim, g.batch_dim, g.in_core)
+    # Expert matmuls are marked only when present, so the keys of dense layers stay as they were.
+    return dims + (g.shard_dim, g.batch_dim, g.in_core) + (("expert",) if g.expert else ())
 
 
 def shape_key(layer: LayerSpec) -> ShapeKey:
@@ -139,12 +141,23 @@ def spec_from_dict(d: dict, where: str = "spec") -> LayerSpec:
         out = []
         r.list(key, max_len=100_000)
         for g in r.items(key):
-            g.reject_unknown(("m", "n", "k", "count", "shard_dim", "batch_dim", "in_core"))
+            g.reject_unknown(("m", "n", "k", "count", "shard_dim", "batch_dim", "in_core", "expert"))
             out.append(Gemm(m=num(g, "m"), n=num(g, "n"), k=num(g, "k"), count=num(g, "count", 1.0),
                             shard_dim=g.str("shard_dim", "", choices=("", "m", "n", "k", "count")),
                             batch_dim=g.str("batch_dim", "m", choices=("m", "n", "k", "count")),
-                            in_core=g.bool("in_core", False)))
+                            in_core=g.bool("in_core", False), expert=g.bool("expert", False)))
         return tuple(out)
+
+    def experts(x: FieldReader | None) -> ExpertSpec | None:
+        if x is None:
+            return None
+        x.reject_unknown(("num_experts", "top_k", "params", "activation_bytes", "dispatch_bytes", "capacity_factor"))
+        return ExpertSpec(num_experts=x.int("num_experts", minimum=1, maximum=MAX_EXPERTS),
+                          top_k=x.int("top_k", minimum=1, maximum=MAX_EXPERTS),
+                          params=split("params", x), activation_bytes=split("activation_bytes", x),
+                          dispatch_bytes=num(x, "dispatch_bytes"),
+                          capacity_factor=x.float("capacity_factor", positive=True, maximum=1e6)
+                          if x.has("capacity_factor") else None)
 
     act = r.sub("activation_bytes")
     act.reject_unknown(("none", "selective", "full"))
@@ -159,7 +172,7 @@ def spec_from_dict(d: dict, where: str = "spec") -> LayerSpec:
         kernels_bwd=r.int("kernels_bwd", minimum=0, maximum=10**9),
         activation_bytes=ActivationBytes(**{k: split(k, act) for k in ("none", "selective", "full")}),
         output_bytes=num(r, "output_bytes"), tp_allreduces_fwd=r.int("tp_allreduces_fwd", minimum=0, maximum=10**6),
-        causal=r.bool("causal"),
+        causal=r.bool("causal"), experts=experts(r.sub("experts", None)),
         attention_fraction=r.float("attention_fraction", 1.0, minimum=0.0, maximum=1.0))
 
 
@@ -182,10 +195,16 @@ def shard_config(cfg: TransformerConfig, tp: int) -> TransformerConfig:
         raise ConfigError("tp", f"{tp} neither divides nor is a multiple of {c.name}'s {c.kv_heads} kv heads")
     if c.ffn_hidden % tp:
         raise ConfigError("tp", f"{tp} does not divide {c.name}'s MLP width {c.ffn_hidden}")
+    if c.arch == "moe" and (c.moe_ffn_hidden % tp or c.shared_ffn_hidden % tp):
+        raise ConfigError("tp", f"{tp} does not divide {c.name}'s expert widths "
+                          f"({c.moe_ffn_hidden}, shared {c.shared_ffn_hidden})")
     if c.kv_heads % tp == 0 and c.vocab % tp == 0:
         return c.with_shard(1 / tp).resolved()
+    moe = {}
+    if c.arch == "moe":
+        moe = dict(moe_ffn_hidden=c.moe_ffn_hidden // tp, shared_ffn_hidden=c.shared_ffn_hidden // tp)
     return dataclasses.replace(c, heads=c.heads // tp, kv_heads=max(1, c.kv_heads // tp),
-                               ffn_hidden=c.ffn_hidden // tp, vocab=-(-c.vocab // tp)).resolved()
+                               ffn_hidden=c.ffn_hidden // tp, vocab=-(-c.vocab // tp), **moe).resolved()
 
 
 def tp_supported(cfg: TransformerConfig, tp: int) -> str:

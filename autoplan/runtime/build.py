@@ -31,10 +31,10 @@ from typing import Iterable
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, PrepareModuleInputOutput,
-                                               PrepareModuleOutput, RowwiseParallel, SequenceParallel,
-                                               parallelize_module)
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, PrepareModuleInput,
+                                               PrepareModuleInputOutput, PrepareModuleOutput, RowwiseParallel,
+                                               SequenceParallel, parallelize_module)
 from torch.utils.checkpoint import checkpoint
 
 from autoplan.errors import ConfigError
@@ -94,6 +94,14 @@ def fill_shard(local: torch.Tensor, global_shape: tuple[int, ...], offset: tuple
     how the tensor is sharded."""
     kind, std = rule
     with torch.no_grad():
+        if kind == "normal_per_matrix":
+            # A stack of matrices (experts on dim 0): each matrix its own 2-D tensor, keyed
+            # by its global index, so a rank's experts and tensor-parallel slices of them
+            # (dims 1 or 2) get the values they have in the whole stack.
+            for e in range(local.shape[0]):
+                fill_shard(local[e], tuple(global_shape[1:]), tuple(offset[1:]), ("normal", std), seed,
+                           f"{key}/{offset[0] + e}")
+            return
         if kind == "zeros":
             local.zero_()
             return
@@ -185,7 +193,11 @@ def tensor_parallel_styles(unit: nn.Module, sequence_parallel: bool) -> tuple[di
     sp = sequence_parallel
     regions: dict[str, bool] = {}
     for fqn, style in spec.items():
-        if style in ("colwise", "rowwise"):
+        if style == "experts":
+            # Routed experts see routed tokens, not the sequence: their region gathers its
+            # input and splits its output (ExpertParallel all-reduces the experts' output).
+            regions[fqn.partition(".")[0]] = False
+        elif style in ("colwise", "rowwise"):
             root, _, rest = fqn.partition(".")
             if not rest:
                 raise ConfigError("tp_plan", f"{type(unit).__name__} shards {fqn!r} at the top level; the "
@@ -214,6 +226,10 @@ def tensor_parallel_styles(unit: nn.Module, sequence_parallel: bool) -> tuple[di
         elif style == "output":
             plan[fqn] = ColwiseParallel(input_layouts=Shard(1) if sp else Replicate(),
                                         output_layouts=Replicate())
+        elif style == "experts":
+            continue   # sharded by apply_expert_parallel, over the expert mesh
+        elif style == "head_shared":
+            plan[fqn] = SumGradientOverRanks()
         else:
             raise ConfigError("tp_plan", f"{type(unit).__name__}.{fqn}: unknown style {style!r}")
     own = None
@@ -236,6 +252,29 @@ def tensor_parallel_styles(unit: nn.Module, sequence_parallel: bool) -> tuple[di
                         and any(True for _ in mod.parameters(recurse=False))):
                     plan[name] = SequenceParallel(use_local_output=True)
     return plan, own
+
+
+class SumGradientOverRanks(ParallelStyle):
+    """For a module whose input every tensor-parallel rank computes in full and whose output
+    each rank's share of the heads reads: the input's gradient is partial on every rank, so
+    it is all-reduced over the mesh (the input is treated as a DTensor that is Replicate in
+    forward and Partial in backward)."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def pre(_m, args):
+            x = args[0]
+            return (DTensor.from_local(x, device_mesh, [Replicate()], run_check=False)
+                    .to_local(grad_placements=[Partial()]),) + tuple(args[1:])
+        module.register_forward_pre_hook(pre)
+        return module
+
+
+def apply_expert_parallel(unit: nn.Module, experts_mesh: DeviceMesh) -> None:
+    """Shard the unit's routed experts over the ("ep", "tp") mesh and exchange their tokens
+    by all-to-all over "ep" (:class:`autoplan.runtime.experts.ExpertParallel`)."""
+    from autoplan.runtime.experts import ExpertParallel, expert_modules
+    for experts in expert_modules([unit]):
+        parallelize_module(experts, experts_mesh, ExpertParallel())
 
 
 def apply_tensor_parallel(unit: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool) -> None:
@@ -321,11 +360,12 @@ class DataParallelChoice:
     """One line for logs and the run record: what the plan's zero stage became."""
 
 
-def data_parallel_choice(dp: int, zero: int, pp: int, tp: int = 1, schedule: str = "1f1b") -> DataParallelChoice:
+def data_parallel_choice(dp: int, zero: int, pp: int, tp: int = 1, schedule: str = "1f1b",
+                         ep: int = 1) -> DataParallelChoice:
     if dp == 1:
         return DataParallelChoice("none", False, "dp=1: no data parallelism (ZeRO has nothing to shard)")
     if zero == 0:
-        if tp == 1 and pp == 1:
+        if tp == 1 and pp == 1 and ep == 1:
             # Plain DDP: one bucketed all-reduce overlapped with backward, the fastest ZeRO-0.
             return DataParallelChoice("ddp", False, "ZeRO-0: DistributedDataParallel (bucketed all-reduce)")
         # replicate_with_fsdp, not the older torch.distributed._composable.replicate, which
@@ -333,7 +373,8 @@ def data_parallel_choice(dp: int, zero: int, pp: int, tp: int = 1, schedule: str
         # (tensor-parallel) weights, and under the pipeline runtime's action lists its
         # reducer asserts on the second step (it sees every parameter's gradient once per
         # micro-batch), with interleaved and zero-bubble schedules as with 1F1B.
-        why = "tensor-parallel weights" if tp > 1 else "pipeline stages"
+        # Expert-parallel experts are DTensors too, averaged over their own replicas.
+        why = "tensor-parallel weights" if tp > 1 else "expert-parallel weights" if ep > 1 else "pipeline stages"
         return DataParallelChoice("replicate", False, f"ZeRO-0: replicate (FSDP-family all-reduce; DDP cannot "
                                   f"run {why})")
     if zero in (1, 2):
@@ -352,18 +393,30 @@ def data_parallel_choice(dp: int, zero: int, pp: int, tp: int = 1, schedule: str
 
 
 def apply_data_parallel(stage: StageModule, dp_mesh: DeviceMesh, choice: DataParallelChoice,
-                        mp_policy=None) -> None:
-    """The FSDP-family wrappers, applied on ``meta`` before the weights exist (DDP comes
-    later: see :func:`wrap_ddp`)."""
+                        mp_policy=None, expert_dp_mesh: DeviceMesh | None = None) -> None:
+    """The FSDP-family wrappers for data parallelism over ``dp_mesh`` on every unit (and the
+    stage, as root), applied on ``meta`` before the weights exist (DDP comes later: see
+    :func:`wrap_ddp`). With ``expert_dp_mesh``, routed experts are wrapped first, over the
+    ranks holding the same experts (see :mod:`autoplan.runtime.experts` for how their
+    gradients are averaged)."""
     if choice.wrapper in ("none", "ddp"):
         return
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     mp = mp_policy or MixedPrecisionPolicy()
     if choice.wrapper == "replicate":
         from torch.distributed._composable.replicate_with_fsdp import replicate
+        wrap = lambda m, mesh: replicate(m, mesh=mesh, mp_policy=mp)  # noqa: E731
+    else:
+        wrap = lambda m, mesh: fully_shard(m, mesh=mesh, reshard_after_forward=choice.reshard_after_forward,  # noqa: E731
+                                           mp_policy=mp)
+    if expert_dp_mesh is not None:
+        from autoplan.runtime.experts import expert_modules
+        for experts in expert_modules(stage.layers.values()):
+            wrap(experts, expert_dp_mesh)
+    if choice.wrapper == "replicate":
         for unit in stage.layers.values():
-            replicate(unit, mesh=dp_mesh, mp_policy=mp)
-        replicate(stage, mesh=dp_mesh, mp_policy=mp)
+            wrap(unit, dp_mesh)
+        wrap(stage, dp_mesh)
         return
     for unit in stage.layers.values():
         fully_shard(unit, mesh=dp_mesh, reshard_after_forward=choice.reshard_after_forward, mp_policy=mp)

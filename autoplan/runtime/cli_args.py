@@ -21,6 +21,8 @@ def add_training_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--clock", choices=("wall", "thread"), default="wall",
                    help="time steps by elapsed time, or by the training thread's CPU time (a CPU rank with one "
                         "thread; immune to other jobs on the machine)")
+    p.add_argument("--load-balancing", choices=("micro", "global"), default="micro",
+                   help="MoE load-balancing loss over each micro-batch (default) or the global batch")
     p.add_argument("--backend", choices=("auto", "nccl", "gloo"), default="auto",
                    help="process-group backend (default: nccl when CUDA is available, else gloo)")
 
@@ -29,4 +31,5 @@ def training_options(args: argparse.Namespace) -> dict:
     return dict(steps=args.steps, seq_len=args.seq_len, optimizer=args.optimizer, lr=args.lr,
                 weight_decay=args.weight_decay, max_grad_norm=args.max_grad_norm, seed=args.seed,
                 checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
-                resume=not args.no_resume, log_every=args.log_every, clock=args.clock)
+                resume=not args.no_resume, log_every=args.log_every, clock=args.clock,
+                load_balancing=args.load_balancing)

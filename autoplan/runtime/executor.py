@@ -34,8 +34,10 @@ class LocalExecutor:
     to do; the gradients are the same."""
 
     def __init__(self, stage: torch.nn.Module, program: ScheduleProgram, loss_fn: LossFn,
-                 device: torch.device):
+                 device: torch.device, before_compute: Callable[[], None] | None = None):
         self.stage = stage
+        self.before_compute = before_compute or (lambda: None)
+        """Called at the start of every run, right before the first real forward."""
         self.actions = program.ranks[0]
         self.num_micro_batches = program.num_micro_batches
         self.loss_fn = loss_fn
@@ -50,6 +52,7 @@ class LocalExecutor:
         losses: dict[int, float] = {}
         backwards = 0
         sharded = isinstance(self.stage, FSDPModule)
+        self.before_compute()
         ddp = isinstance(self.stage, DistributedDataParallel)
         for action in self.actions:
             m = action.micro_batch
@@ -82,7 +85,8 @@ class PipelineExecutor:
     """Several pipeline ranks: ``_PipelineScheduleRuntime`` executing the program."""
 
     def __init__(self, stage_modules: dict[int, torch.nn.Module], num_stages: int, program: ScheduleProgram,
-                 loss_fn: LossFn, device: torch.device, pp_group: dist.ProcessGroup):
+                 loss_fn: LossFn, device: torch.device, pp_group: dist.ProcessGroup,
+                 before_compute: Callable[[], None] | None = None):
         from torch.distributed.pipelining import PipelineStage
         from torch.distributed.pipelining.schedules import _Action, _PipelineScheduleRuntime
 
@@ -97,6 +101,17 @@ class PipelineExecutor:
         actions = {g: [_Action.from_str(a) for a in row] for g, row in enumerate(program.to_compute_only())}
         self.schedule._prepare_schedule_with_comms(actions, format="compute_only")
         self.program = program
+        if before_compute is not None:
+            # The schedule initialises its stages at the start of every step (the first time
+            # by running each stage forward and backward on placeholder tensors to learn the
+            # shapes); the step's real compute follows. Per-step state (the load-balancing
+            # loss's counts) is reset after that, so placeholder passes never count.
+            initialize = self.schedule._initialize_stages
+
+            def initialize_then_reset(*args, **kwargs):
+                initialize(*args, **kwargs)
+                before_compute()
+            self.schedule._initialize_stages = initialize_then_reset
 
     def run(self, inputs: torch.Tensor, targets: torch.Tensor) -> list[float]:
         losses: list[torch.Tensor] = []

@@ -19,6 +19,10 @@ from autoplan.plan import Plan
 
 MESH_DIMS = ("pp", "dp", "cp", "tp")
 """Names of the runtime's mesh axes, outermost first."""
+EXPERT_DIMS = ("edp", "ep")
+"""The data-parallel axis split for routed experts: ``ep`` ranks that share out the experts
+(runs of consecutive replicas, as ``DeviceGroup.ep_groups``) and the ``edp`` = dp / ep
+ranks holding the same experts."""
 
 
 @dataclass(frozen=True)
@@ -47,15 +51,27 @@ class RankLayout:
     """Tensor-parallel degree (the same for every group in this runtime)."""
     stage_ids: tuple[int, ...]
     """Indices into plan.stages that run on this rank, in model order."""
+    ep: int = 1
+    """Expert-parallel degree (divides dp)."""
 
     def coordinate(self, dim: str) -> int:
-        return {"pp": self.pp_rank, "dp": self.dp_rank, "cp": self.cp_rank, "tp": self.tp_rank}[dim]
+        return {"pp": self.pp_rank, "dp": self.dp_rank, "cp": self.cp_rank, "tp": self.tp_rank,
+                "ep": self.dp_rank % self.ep, "edp": self.dp_rank // self.ep}[dim]
 
 
 def check_plan_supported(plan: Plan, num_units: int, kv_heads: int | None = None,
-                         sequence_parallel_ok: bool = True) -> None:
+                         sequence_parallel_ok: bool = True, num_experts: int = 0) -> None:
     """Raise ConfigError for plans this runtime cannot run faithfully (see docs/runtime.md)."""
     plan.validate()
+    if plan.ep > 1 and not num_experts:
+        raise ConfigError("ep", f"is {plan.ep}, but the model has no routed experts", "set ep to 1")
+    if num_experts % plan.ep:
+        raise ConfigError("ep", f"{plan.ep} does not divide the model's {num_experts} experts",
+                          "pick an ep that divides the expert count")
+    if plan.cp > 1 and num_experts:
+        raise ConfigError("cp", f"is {plan.cp}: this runtime does not run context parallelism with "
+                          "mixture-of-experts layers (their load-balancing counts and expert gradients are "
+                          "reduced over data-parallel ranks only)", "use cp 1 for a mixture-of-experts model")
     if plan.layouts is not None:
         raise ConfigError("layouts", "this trainer runs the model family's tensor-parallel recipe, not "
                           "per-operator layouts", "run them with autoplan.runtime.operators.OperatorParallel "
@@ -121,7 +137,7 @@ def rank_layout(plan: Plan, rank: int) -> RankLayout:
     p, d, c, t = (int(x) for x in hits[0])
     pp, dp, cp, tp = grid.shape
     return RankLayout(rank=rank, world_size=plan.num_gpus, pp_rank=p, dp_rank=d, cp_rank=c, tp_rank=t,
-                      pp=pp, dp=dp, cp=cp, tp=tp, stage_ids=tuple(plan.stages_of_group(p)))
+                      pp=pp, dp=dp, cp=cp, tp=tp, stage_ids=tuple(plan.stages_of_group(p)), ep=plan.ep)
 
 
 def build_mesh(plan: Plan, device_type: str) -> DeviceMesh:
@@ -131,3 +147,10 @@ def build_mesh(plan: Plan, device_type: str) -> DeviceMesh:
         raise ConfigError("plan", f"needs {plan.num_gpus} processes but {world} were launched",
                           f"launch with --nproc-per-node (times --nnodes) = {plan.num_gpus}")
     return DeviceMesh(device_type, mesh_tensor(plan), mesh_dim_names=MESH_DIMS)
+
+
+def expert_mesh(mesh: DeviceMesh, plan: Plan) -> DeviceMesh:
+    """The plan's mesh with its "dp" axis split into ("edp", "ep") (see EXPERT_DIMS): the
+    same ranks and root mesh, so expert weights (DTensors over "ep" x "tp") and their
+    data parallelism (over "edp") compose with the dense parts' FSDP."""
+    return mesh._unflatten("dp", (plan.dp // plan.ep, plan.ep), EXPERT_DIMS)

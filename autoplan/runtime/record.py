@@ -42,6 +42,9 @@ class StepRecord:
     """Global gradient 2-norm before clipping."""
     peak_memory_bytes_by_rank: tuple[int, ...] = ()
     """Each rank's peak memory so far, by rank (same measure as RankMemory.peak_memory_bytes)."""
+    load_balancing_loss: float | None = None
+    """Mixture of experts: the load-balancing loss N_E * sum_i f_i * p_i of the step, averaged
+    over the MoE layers (f as the run's load_balancing option defines it); None otherwise."""
 
 
 @dataclass(frozen=True)
@@ -147,7 +150,8 @@ class RunRecord:
                                     step_time_s=s.float("step_time_s", positive=True),
                                     tokens_per_s=s.float("tokens_per_s", positive=True),
                                     grad_norm=s.float("grad_norm", minimum=0.0),
-                                    peak_memory_bytes_by_rank=tuple(mem)))
+                                    peak_memory_bytes_by_rank=tuple(mem),
+                                    load_balancing_loss=s.float("load_balancing_loss", None, minimum=0.0)))
         memory = []
         r.list("memory", max_len=MAX_GPUS)
         for m in r.items("memory"):

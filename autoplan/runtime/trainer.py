@@ -36,7 +36,8 @@ from autoplan.runtime import build as B
 from autoplan.runtime.context import apply_context_parallel, check_context_supported, shard_positions
 from autoplan.runtime.data import DataSource, replica_slice
 from autoplan.runtime.executor import LocalExecutor, PipelineExecutor
-from autoplan.runtime.layout import build_mesh, check_plan_supported, rank_layout
+from autoplan.runtime.experts import LOAD_BALANCING, configure_load_balancing, start_step, step_value
+from autoplan.runtime.layout import EXPERT_DIMS, build_mesh, check_plan_supported, expert_mesh, rank_layout
 from autoplan.runtime.record import (MEMORY_SOURCE_CPU, MEMORY_SOURCE_CUDA, RankMemory, RunRecord,
                                      StepRecord)
 from autoplan.schedule import build_program
@@ -82,6 +83,10 @@ class TrainOptions:
     thread: on a CPU rank with one torch thread every kernel and the autograd engine run on
     that thread, so other jobs sharing the machine do not inflate the figure; it leaves out
     time spent waiting for other ranks)."""
+    load_balancing: str = "micro"
+    """Mixture of experts: where the load-balancing loss takes the expert frequencies f from:
+    'micro' (each micro-batch on each rank, as GShard / Megatron-Core's aux_loss) or 'global'
+    (summed over the step's micro-batches and the data-parallel ranks, Qiu et al. 2025)."""
 
     def validate(self) -> "TrainOptions":
         """The one place these settings are checked."""
@@ -94,6 +99,8 @@ class TrainOptions:
             raise ConfigError("clock", f"{self.clock!r} is not one of {list(CLOCKS)}")
         if self.optimizer not in OPTIMIZERS:
             raise ConfigError("optimizer", f"{self.optimizer!r} is not one of {list(OPTIMIZERS)}")
+        if self.load_balancing not in LOAD_BALANCING:
+            raise ConfigError("load_balancing", f"{self.load_balancing!r} is not one of {list(LOAD_BALANCING)}")
         for name in ("lr", "weight_decay", "eps", "momentum", "max_grad_norm"):
             v = getattr(self, name)
             if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v) or v < 0:
@@ -213,9 +220,11 @@ class Trainer:
         self.num_params = sum(p.numel() for p in meta.parameters())   # a tied table counts once
         unit_types = {type(u) for u in meta.layers}
         del meta
+        num_experts = self.cfg.num_experts if getattr(self.cfg, "arch", "") == "moe" else 0
         check_plan_supported(plan, self.num_units,
                              kv_heads=getattr(self.cfg, "kv_heads", None),
-                             sequence_parallel_ok=all(issubclass(t, B.SEQUENCE_PARALLEL_UNITS) for t in unit_types))
+                             sequence_parallel_ok=all(issubclass(t, B.SEQUENCE_PARALLEL_UNITS) for t in unit_types),
+                             num_experts=num_experts)
         _check_tp_shapes(self.cfg, plan.groups[0].tp)
         check_context_supported(self.cfg, plan.cp, plan.cp_comm, self.cfg.seq_len)
         self.mesh = build_mesh(plan, self.device.type)
@@ -234,7 +243,7 @@ class Trainer:
                      "fp32, so its step time and memory are not the plan's (run it on GPUs for those)")
         # Context ranks hold the same weights as data replicas: gradients are averaged, and
         # ZeRO shards states, over both (Megatron-Core's data-parallel-with-context group).
-        self.dp_choice = B.data_parallel_choice(lay.dp * lay.cp, plan.zero, lay.pp, lay.tp, plan.schedule)
+        self.dp_choice = B.data_parallel_choice(lay.dp * lay.cp, plan.zero, lay.pp, lay.tp, plan.schedule, plan.ep)
         mp_policy, autocast = None, self.compute_dtype
         if self.compute_dtype is not None and self.dp_choice.wrapper in ("replicate", "fully_shard"):
             from torch.distributed.fsdp import MixedPrecisionPolicy
@@ -248,6 +257,10 @@ class Trainer:
         tp_mesh, dp_mesh = self.mesh["tp"], self.mesh["dp"]
         if lay.cp > 1:
             dp_mesh = self.mesh["dp", "cp"]._flatten("dp_cp")
+        # Routed experts live on the same mesh with "dp" split into ("edp", "ep") whenever
+        # they are sharded (by expert, or by tensor parallelism like a dense MLP).
+        self.expert_mesh = (expert_mesh(self.mesh, plan) if num_experts and (plan.ep > 1 or lay.tp > 1)
+                            else None)
         self.stage_modules: dict[int, torch.nn.Module] = {}
         built: dict[int, B.StageModule] = {}
         for s in lay.stage_ids:
@@ -258,9 +271,12 @@ class Trainer:
                     B.apply_tensor_parallel(unit, tp_mesh, plan.sequence_parallel)
                 if lay.cp > 1:
                     apply_context_parallel(unit, self.mesh["cp"], plan.cp_comm, self.positions)
+                if self.expert_mesh is not None:
+                    B.apply_expert_parallel(unit, self.expert_mesh["ep", "tp"])
                 B.apply_recompute(unit, stage.recompute)
             module = B.StageModule(mine, autocast_dtype=autocast, device_type=self.device.type)
-            B.apply_data_parallel(module, dp_mesh, self.dp_choice, mp_policy)
+            B.apply_data_parallel(module, dp_mesh, self.dp_choice, mp_policy,
+                                  expert_dp_mesh=self.expert_mesh["edp"] if self.expert_mesh is not None else None)
             module.to_empty(device=self.device)
             built[s] = module
         B.init_local_shards(units, self.cfg, self.num_units, self.options.seed)
@@ -275,11 +291,21 @@ class Trainer:
         # ---- the schedule program the cost model simulates
         self.program = build_program(plan)
         loss = _fp32_loss
+        # The load-balancing loss's gradient is scaled as the executor scales each
+        # micro-batch's loss: the local executor divides the loss, the pipeline runtime
+        # divides the gradients afterwards. Its per-step counts start afresh right before
+        # each step's first real forward.
+        self.balance = configure_load_balancing(
+            self.model.layers.values(), self.options.load_balancing,
+            dp_mesh.get_group() if lay.dp > 1 else None,
+            grad_scale=1.0 / plan.num_micro_batches if lay.pp == 1 else 1.0)
+        reset = (lambda: start_step(self.balance)) if self.balance else None
         if lay.pp == 1:
-            self.executor = LocalExecutor(self.stage_modules[lay.stage_ids[0]], self.program, loss, self.device)
+            self.executor = LocalExecutor(self.stage_modules[lay.stage_ids[0]], self.program, loss, self.device,
+                                          before_compute=reset)
         else:
             self.executor = PipelineExecutor(self.stage_modules, len(plan.stages), self.program, loss,
-                                             self.device, self.mesh["pp"].get_group())
+                                             self.device, self.mesh["pp"].get_group(), before_compute=reset)
         self.data = DataSource(self.cfg, plan.global_batch, self.options.seed, data)
         self.step = 0
         """Completed steps."""
@@ -385,8 +411,10 @@ class Trainer:
 
     def _counts_here(self, g: torch.Tensor) -> bool:
         """Whether this rank's copy of ``g`` is the one to count: a tensor replicated over
-        the dp, cp or tp axis is counted on coordinate 0 of that axis only."""
+        the dp, cp or tp axis is counted on coordinate 0 of that axis only. Routed experts'
+        tensors see the dp axis as ("edp", "ep") and are judged on those."""
         sharded: set[str] = set()
+        names: tuple = ()
         if isinstance(g, DTensor):
             names = g.device_mesh.mesh_dim_names or ()
             for name, placement in zip(names, g.placements):
@@ -396,7 +424,8 @@ class Trainer:
                 # is not a Shard subclass and answers is_shard() with False).
                 if not placement.is_replicate():
                     sharded.update(name.split("_"))   # the flattened "dp_cp" axis shards both
-        return all(self.layout.coordinate(axis) == 0 for axis in ("dp", "cp", "tp") if axis not in sharded)
+        data = EXPERT_DIMS if set(EXPERT_DIMS) & set(names) else ("dp", "cp")
+        return all(self.layout.coordinate(axis) == 0 for axis in (*data, "tp") if axis not in sharded)
 
     def optimizer_step(self) -> float:
         """Clip (if enabled) and step; returns the norm before clipping."""
@@ -429,17 +458,21 @@ class Trainer:
         # The last pipeline rank holds the losses; tp ranks hold copies, dp replicas and cp
         # ranks parts (each the mean over its own, equally many, tokens).
         contrib = sum(losses) / len(losses) / (lay.dp * lay.cp) if losses and lay.tp_rank == 0 else 0.0
-        # One all-gather carries every rank's (time, loss share, peak memory).
-        mine = torch.tensor([elapsed, contrib, float(self._peak_memory()[0])], dtype=torch.float64,
-                            device=self.device)
+        balance, layers = step_value(self.balance) if lay.tp_rank == 0 else (0.0, 0)
+        # One all-gather carries every rank's (time, loss share, peak memory, load-balancing
+        # loss summed over its MoE layers, and their count).
+        mine = torch.tensor([elapsed, contrib, float(self._peak_memory()[0]), balance, float(layers)],
+                            dtype=torch.float64, device=self.device)
         everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
         dist.all_gather(everyone, mine)
         table = torch.stack(everyone).cpu()
         self.step += 1
         t = float(table[:, 0].max())   # the step is as slow as its slowest rank
+        moe_layers = float(table[:, 4].sum())   # every MoE layer once per data-parallel replica
         return StepRecord(step=self.step, loss=float(table[:, 1].sum()), step_time_s=t,
                           tokens_per_s=self.tokens_per_step / t, grad_norm=norm,
-                          peak_memory_bytes_by_rank=tuple(int(m) for m in table[:, 2]))
+                          peak_memory_bytes_by_rank=tuple(int(m) for m in table[:, 2]),
+                          load_balancing_loss=float(table[:, 3].sum()) / moe_layers if moe_layers else None)
 
     # ---------------------------------------------------------- introspection
     def gradients(self) -> dict[str, torch.Tensor]:
@@ -531,7 +564,8 @@ class Trainer:
             if o.log_every and (rec.step % o.log_every == 0 or rec.step == o.steps):
                 mem = rec.peak_memory_bytes_by_rank
                 top = max(range(len(mem)), key=mem.__getitem__)
-                self.log(f"step {rec.step:>5}  loss {rec.loss:.4f}  grad_norm {rec.grad_norm:.3f}  "
+                lbl = f"  lbl {rec.load_balancing_loss:.4f}" if rec.load_balancing_loss is not None else ""
+                self.log(f"step {rec.step:>5}  loss {rec.loss:.4f}{lbl}  grad_norm {rec.grad_norm:.3f}  "
                          f"{rec.step_time_s * 1e3:.1f} ms  {rec.tokens_per_s:,.0f} tokens/s  "
                          f"peak mem {mem[top] / 2**20:,.1f} MiB (rank {top}{'' if self.device.type == 'cuda' else ', model state'})")
             if o.checkpoint_dir and ((o.checkpoint_every and rec.step % o.checkpoint_every == 0)
@@ -551,6 +585,7 @@ class Trainer:
             "steps_requested": o.steps, "first_step": steps[0].step if steps else None,
             "resumed_from_step": self.resumed_from, "optimizer": o.optimizer, "learning_rate": o.lr,
             "weight_decay": o.weight_decay, "max_grad_norm": o.max_grad_norm, "seed": o.seed,
+            "load_balancing": o.load_balancing if self.balance else None,
             "global_batch": self.plan.global_batch, "seq_len": self.cfg.seq_len,
             "tokens_per_step": self.tokens_per_step, "data": self.data.kind,
             "compute_dtype": str(self.compute_dtype or torch.float32).replace("torch.", ""),

@@ -8,8 +8,12 @@ Contract the planner and runtime rely on:
 * every unit has ``tp_plan() -> {relative submodule name: style}`` with styles
   ``colwise``, ``rowwise`` (Megatron linear sharding), ``norm`` (replicated norm; a
   sequence-parallel region under SP), ``embedding`` (vocab-sharded token table),
-  ``output`` (vocab-sharded output projection) and ``head_norm`` (a replicated norm applied per
-  head, to heads that tensor parallelism spreads over ranks); unlisted modules stay replicated.
+  ``output`` (vocab-sharded output projection), ``head_norm`` (a replicated norm applied per
+  head, to heads that tensor parallelism spreads over ranks), ``experts`` (a ``GroupedExperts``:
+  stacked expert weights, sharded by expert under expert parallelism and like a Megatron
+  MLP under tensor parallelism) and ``head_shared`` (a parameter-free module whose output,
+  computed in full on every rank, is read by every local head: its gradient is summed
+  over the tensor-parallel ranks); unlisted modules stay replicated.
 * ``loss_fn(output, target)`` and ``example_inputs(cfg, batch)`` complete a training step.
 """
 from __future__ import annotations

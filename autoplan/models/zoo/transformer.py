@@ -1,4 +1,5 @@
-"""GPT, Llama, BERT and mixture-of-experts transformers, built as a flat list of
+"""GPT, Llama, BERT and mixture-of-experts transformers (the MoE layer and multi-head
+latent attention live in ``zoo.moe`` and ``zoo.latent_attention``), built as a flat list of
 pipeline units: ``[TokenEmbedding, Block x layers, Head]``.
 
 Every unit maps one tensor to one tensor, so any contiguous slice of
@@ -32,7 +33,7 @@ NORM_EPS = 1e-5
 ROPE_THETA = 10000.0
 """RoPE base. Llama 3 uses 500000; the base changes no shape, FLOP or byte, so one value serves."""
 
-TP_STYLES = ("colwise", "rowwise", "norm", "head_norm", "embedding", "output")
+TP_STYLES = ("colwise", "rowwise", "norm", "head_norm", "embedding", "output", "experts", "head_shared")
 """The sharding styles a unit's ``tp_plan()`` may name (see the module docstring of zoo)."""
 
 TPPlan = dict[str, str]
@@ -41,8 +42,14 @@ TPPlan = dict[str, str]
 def init_rule(module: nn.Module, name: str) -> tuple[str, float]:
     """How parameter ``name`` (``weight`` or ``bias``) of ``module`` is initialised:
     ('normal', std) for Linear/Embedding/Conv weights, ('zeros', 0) for biases, ('ones', 0)
-    for norm scales. The one rule :func:`init_parameters` and the runtime's shard-local
-    initialisation both follow."""
+    for norm scales, ('normal_per_matrix', std) for stacked expert weights ([experts, out, in]:
+    each expert's matrix drawn as a matrix of its own, so an expert's values do not depend on
+    how the stack is split over ranks). The one rule :func:`init_parameters` and the
+    runtime's shard-local initialisation both follow."""
+    from autoplan.models.zoo.moe import GroupedExperts
+
+    if isinstance(module, GroupedExperts):
+        return ("normal_per_matrix", INIT_STD)
     if isinstance(module, (nn.Linear, nn.Conv2d, nn.Embedding)):
         return ("normal", INIT_STD) if name == "weight" else ("zeros", 0.0)
     if isinstance(module, (nn.LayerNorm, nn.RMSNorm)):
@@ -56,8 +63,10 @@ def init_parameters(module: nn.Module) -> None:
     (see :func:`init_rule`)."""
     for m in module.modules():
         for name, p in m.named_parameters(recurse=False):
+            if p.is_meta:
+                continue   # shapes only: nothing to initialise (and meta's normal_ is slow)
             kind, std = init_rule(m, name)
-            if kind == "normal":
+            if kind in ("normal", "normal_per_matrix"):
                 nn.init.normal_(p, mean=0.0, std=std)
             elif kind == "ones":
                 nn.init.ones_(p)
@@ -294,44 +303,6 @@ class Attention(nn.Module):
         return plan
 
 
-class MoE(nn.Module):
-    """Mixture of SwiGLU experts with expert-choice routing (Zhou et al., NeurIPS 2022).
-
-    Each expert takes its top-C tokens by router probability, C = ceil(tokens * top_k /
-    num_experts), runs them through its MLP and adds the outputs back weighted by the
-    probability. Why expert choice rather than Mixtral's token choice: with token choice
-    the number of tokens each expert receives depends on the data, so shapes are dynamic
-    and cannot be traced on ``meta``; with expert choice every shape is static, while the
-    expert compute per token (top_k experts' worth on average) and the parameter count are
-    exactly those of top-k token-choice routing.
-    """
-
-    def __init__(self, cfg: TransformerConfig):
-        super().__init__()
-        self.top_k = cfg.top_k
-        self.gate = nn.Linear(cfg.hidden, cfg.num_experts, bias=False)
-        self.experts = nn.ModuleList(
-            MLP(cfg.hidden, cfg.ffn_hidden, "swiglu", bias=False) for _ in range(cfg.num_experts))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, x.shape[-1])                          # [T, h]
-        tokens, experts = flat.shape[0], len(self.experts)
-        capacity = math.ceil(tokens * self.top_k / experts)        # <= tokens since top_k <= experts
-        probs = torch.softmax(self.gate(flat), dim=-1)             # [T, E]
-        weight, index = probs.t().topk(capacity, dim=-1)           # [E, C] each
-        outs = [expert(flat[index[e]]) for e, expert in enumerate(self.experts)]
-        outs = torch.stack(outs) * weight.unsqueeze(-1)            # [E, C, h]
-        out = torch.zeros_like(flat).index_add(0, index.reshape(-1), outs.reshape(-1, flat.shape[-1]))
-        return out.view_as(x)
-
-    def tp_plan(self) -> TPPlan:
-        # The router stays replicated: every rank needs all expert scores.
-        plan: TPPlan = {}
-        for e, expert in enumerate(self.experts):
-            plan.update({f"experts.{e}.{k}": v for k, v in expert.tp_plan().items()})
-        return plan
-
-
 class TokenEmbedding(nn.Module):
     """First pipeline unit: token ids [b, s] -> hidden states [b, s, h].
 
@@ -376,18 +347,23 @@ class Block(nn.Module):
     Norm layouts (``cfg.norm_layout``): 'pre' ``x + f(norm(x))`` (gpt/llama/moe), 'post'
     ``norm(x + f(x))`` (BERT), 'sandwich' ``x + norm2(f(norm(x)))`` (Gemma 2) and 'output'
     ``x + norm(f(x))`` (OLMo 2). ``window`` > 0 makes the attention a sliding window.
+    Block ``index`` of an moe model is dense when it is among the first ``dense_layers``;
+    attention is multi-head latent attention when ``kv_lora_rank`` is set.
     """
 
-    def __init__(self, cfg: TransformerConfig, window: int = 0):
+    def __init__(self, cfg: TransformerConfig, index: int = 0, window: int = 0):
         super().__init__()
+        from autoplan.models.zoo.latent_attention import LatentAttention
+        from autoplan.models.zoo.moe import MoE
+
         self.layout = cfg.norm_layout
         self.attention_norm = make_norm(cfg.norm, cfg.hidden, cfg.norm_eps)
-        self.attention = Attention(cfg, window)
+        self.attention = LatentAttention(cfg) if cfg.kv_lora_rank else Attention(cfg, window)
         self.mlp_norm = make_norm(cfg.norm, cfg.hidden, cfg.norm_eps)
         if self.layout == "sandwich":
             self.post_attention_norm = make_norm(cfg.norm, cfg.hidden, cfg.norm_eps)
             self.post_mlp_norm = make_norm(cfg.norm, cfg.hidden, cfg.norm_eps)
-        self.is_moe = cfg.arch == "moe"
+        self.is_moe = cfg.arch == "moe" and index >= cfg.dense_layers
         if self.is_moe:
             self.moe = MoE(cfg)
         else:
@@ -459,7 +435,7 @@ class TransformerModel(nn.Module):
         cfg = cfg.resolved()
         self.config = cfg
         self.layers = nn.ModuleList(
-            [TokenEmbedding(cfg), *(Block(cfg, cfg.layer_window(i)) for i in range(cfg.layers)), Head(cfg)])
+            [TokenEmbedding(cfg), *(Block(cfg, i, cfg.layer_window(i)) for i in range(cfg.layers)), Head(cfg)])
         init_parameters(self)
         self.tie_weights()
 
