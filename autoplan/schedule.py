@@ -38,6 +38,18 @@ class Action(NamedTuple):
 
 
 @dataclass(frozen=True)
+class CompiledProgram:
+    """A schedule program in the form the simulator walks (see ScheduleProgram.compiled)."""
+
+    ranks: tuple[tuple[tuple, ...], ...]
+    """ranks[g][i] = (action number, stage, kind, sends: 0 none / 1 forward / 2 backward,
+    ((dependency's number, crosses ranks, dependency's stage), ...)) of rank g's i-th action."""
+    size: int
+    """Actions in the program (numbers run 0 .. size - 1, rank by rank in program order; a
+    dependency on an action the program lacks is numbered ``size``, which never runs)."""
+
+
+@dataclass(frozen=True)
 class ScheduleProgram:
     """Per-rank ordered compute actions for one iteration."""
 
@@ -76,6 +88,42 @@ class ScheduleProgram:
         once per program, since the simulator walks it for every estimate."""
         return tuple(tuple(tuple((d, self.crosses_ranks(d, a)) for d in self.dependencies(a)) for a in r)
                      for r in self.ranks)
+
+    @cached_property
+    def compiled(self) -> "CompiledProgram":
+        """The program with actions numbered, for the simulator's inner loop (lists indexed
+        by integers instead of dictionaries keyed by actions). Built directly from the
+        rules of dependencies() and sends(), without one Action object per dependency: a
+        long program is often simulated only once."""
+        index: dict[tuple, int] = {}
+        for r in self.ranks:
+            for a in r:
+                index[a] = len(index)
+        size = len(index)
+        last = self.num_stages - 1
+        back = "I" if self.split_backward else "B"
+        s2r = self.stage_to_rank
+        ranks = []
+        for r in self.ranks:
+            row = []
+            for a in r:
+                s, kind, m = a
+                send = 0
+                if kind == "F":
+                    deps = ((index.get((s - 1, "F", m), size), s2r[s - 1] != s2r[s], s - 1),) if s > 0 else ()
+                    if s < last and s2r[s + 1] != s2r[s]:
+                        send = 1
+                elif kind in ("B", "I"):
+                    own = (index.get((s, "F", m), size), False, s)
+                    deps = (own, (index.get((s + 1, back, m), size), s2r[s + 1] != s2r[s], s + 1)) \
+                        if s < last else (own,)
+                    if s > 0 and s2r[s - 1] != s2r[s]:
+                        send = 2
+                else:
+                    deps = ((index.get((s, "I", m), size), False, s),)
+                row.append((index[a], s, kind, send, deps))
+            ranks.append(tuple(row))
+        return CompiledProgram(ranks=tuple(ranks), size=size)
 
     def sends(self, action: Action) -> str:
         """'forward' or 'backward' when the action's result must go to another rank, else ''."""

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field, replace
 from autoplan.cluster import Cluster
 from autoplan.errors import ConfigError
 from autoplan.models.spec import ModelSpec
-from autoplan.plan import Plan
+from autoplan.plan import DeviceGroup, Plan
 from autoplan.schedule import build_program
 from autoplan.stacks import Stack, get_stack
 from autoplan.units import DTYPE_BYTES, GiB
@@ -197,7 +197,8 @@ def plan_expert_load(model: ModelSpec, plan: Plan, options: EstimateOptions) -> 
 
 def _pipeline_groups(plan: Plan) -> list[tuple[int, ...]]:
     """Per data-parallel replica, every tensor-parallel rank of every pipeline group."""
-    return [sum((g.tp_groups()[d] for g in plan.groups), ()) for d in range(plan.dp)]
+    per_group = [g.tp_groups() for g in plan.groups]
+    return [sum((tps[d] for tps in per_group), ()) for d in range(plan.dp)]
 
 
 def stage_costs(model: ModelSpec, cluster: Cluster, plan: Plan, options: EstimateOptions,
@@ -208,13 +209,34 @@ def stage_costs(model: ModelSpec, cluster: Cluster, plan: Plan, options: Estimat
     ep, load = plan.ep, plan_expert_load(model, plan, options)
     out = []
     n = len(plan.stages)
+    # Collective and transfer times depend only on the ranks and the bytes: the units of a
+    # stage (and the chunks of a group) repeat them, so each is computed once per plan.
+    memo: dict = {}
+
+    def worst(groups, nbytes: float, kind: str) -> float:
+        key = (id(groups), nbytes, kind)
+        hit = memo.get(key)
+        if hit is None:
+            hit = memo[key] = _worst(cluster, groups, nbytes, kind)
+        return hit
+
+    def p2p(src: DeviceGroup, dst: DeviceGroup, nbytes: float) -> float:
+        key = (id(src), id(dst), nbytes, "p2p")
+        hit = memo.get(key)
+        if hit is None:
+            hit = memo[key] = p2p_time(cluster, src.tp_groups(), dst.tp_groups(), nbytes)
+        return hit
+
+    tp_groups_of = {id(g): g.tp_groups() for g in plan.groups}
+    dp_groups_of = {id(g): g.dp_cp_groups() for g in plan.groups}
+    pipeline = None
     for s_idx, stage in enumerate(plan.stages):
         group = plan.groups[stage.group]
         # Context ranks hold the same weights as data replicas: gradients are reduced, and
         # ZeRO shards, over both. Each rank does 1/cp of every layer's token-wise work.
         tp, dp = group.tp, group.dp * group.cp
         layers = [context_shard(l, cp) for l in model.layers[stage.start:stage.end]]
-        tp_groups, dp_groups = group.tp_groups(), group.dp_cp_groups()
+        tp_groups, dp_groups = tp_groups_of[id(group)], dp_groups_of[id(group)]
         fwd = bwd = bwd_i = bwd_w = 0.0
         # A group of mixed device types runs at the pace of its slowest member.
         for dev in _group_devices(cluster, group.ranks):
@@ -241,14 +263,15 @@ def stage_costs(model: ModelSpec, cluster: Cluster, plan: Plan, options: Estimat
                 size = (layer.output_bytes if layer.kind != "head"
                         else context_shard(model.layers[max(i - 1, 0)], cp).output_bytes)
                 if layer.tp_allreduces_fwd:
-                    tp_f += layer.tp_allreduces_fwd * _worst(cluster, tp_groups, b * size, "all_reduce")
+                    tp_f += layer.tp_allreduces_fwd * worst(tp_groups, b * size, "all_reduce")
                 if layer.kind == "head" and layer.tp_allreduces_fwd and not stack.vocab_parallel_loss:
                     # The loss needs the full vocabulary on every rank: gather the logits (a head
                     # under operator layouts says itself where its logits are).
-                    tp_f += _worst(cluster, tp_groups, b * layer.output_bytes, "all_gather")
+                    tp_f += worst(tp_groups, b * layer.output_bytes, "all_gather")
             tp_b = tp_f
             # The collectives of units under operator layouts (forward and backward apart).
-            pipeline = _pipeline_groups(plan)
+            if pipeline is None:
+                pipeline = _pipeline_groups(plan)   # the same for every stage
             for layer in layers:
                 f, b_ = layout_comm(cluster, tp_groups, layer, b, pipeline)
                 tp_f, tp_b = tp_f + f, tp_b + b_
@@ -307,13 +330,13 @@ def stage_costs(model: ModelSpec, cluster: Cluster, plan: Plan, options: Estimat
         if s_idx < n - 1:
             nxt = plan.groups[plan.stages[s_idx + 1].group]
             if nxt is not group:
-                send_f = p2p_time(cluster, tp_groups, nxt.tp_groups(), out_bytes_sent)
+                send_f = p2p(group, nxt, out_bytes_sent)
         send_b = 0.0
         if s_idx > 0:
             prv = plan.groups[plan.stages[s_idx - 1].group]
             in_bytes = b * context_shard(model.layers[stage.start - 1], cp).output_bytes
             if prv is not group:
-                send_b = p2p_time(cluster, tp_groups, prv.tp_groups(), in_bytes)
+                send_b = p2p(group, prv, in_bytes)
         act = activation_bytes(layers, stage.recompute, b, tp, sp, stack, dtype, load)
         out.append(StageCosts(forward=fwd, backward=bwd, backward_input=bwd_i, backward_weight=bwd_w,
                               send_forward=send_f, send_backward=send_b, activation_bytes=act,

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from autoplan.schedule import Action, ScheduleProgram
+from autoplan.schedule import ScheduleProgram
 
 
 @dataclass(frozen=True)
@@ -80,14 +80,17 @@ class SimResult:
 
 def simulate(program: ScheduleProgram, costs: list[StageCosts], optimizer: list[float],
              overlap_grad_reduce: bool = True, post_optimizer: list[float] | None = None,
-             blocking_p2p: bool = True) -> SimResult:
+             blocking_p2p: bool = True, timeline: bool = True) -> SimResult:
     """Run the program. ``optimizer[g]``: optimizer step of rank g; ``post_optimizer[g]``:
     exposed work after it (ZeRO-1/2 parameter all-gather). With ``blocking_p2p`` a rank
     waits for its own sends to complete before its next action (Megatron-LM's batched
-    send/recv), otherwise sends are asynchronous and only delay the receiver."""
+    send/recv), otherwise sends are asynchronous and only delay the receiver. Without
+    ``timeline`` the result's ``events`` stay empty (callers that need only the times,
+    like the search, skip building one object per action)."""
     P = len(program.ranks)
-    finish: dict[Action, float] = {}
-    started: dict[Action, float] = {}
+    compiled = program.compiled
+    finish: list[float | None] = [None] * (compiled.size + 1)   # (the last: an action the program lacks)
+    started: list[float] = [0.0] * (compiled.size + 1)
     ptr = [0] * P
     free = [0.0] * P
     busy = [0.0] * P
@@ -96,8 +99,7 @@ def simulate(program: ScheduleProgram, costs: list[StageCosts], optimizer: list[
     live = [0.0] * P
     peak = [0.0] * P
     events: list[Event] = []
-    deps_table = program.dependency_table
-    total = sum(len(r) for r in program.ranks)
+    total = compiled.size
     done = 0
     # Per-stage lookups, hoisted out of the hot loop.
     dur = {k: [getattr(c, f) for c in costs] for k, f in
@@ -109,38 +111,35 @@ def simulate(program: ScheduleProgram, costs: list[StageCosts], optimizer: list[
     send_f = [c.send_forward for c in costs]
     send_b = [c.send_backward for c in costs]
     act_bytes = [c.activation_bytes for c in costs]
-    sends = {a: program.sends(a) for r in program.ranks for a in r} if blocking_p2p else {}
+    actions_of = program.ranks
 
     while done < total:
         progressed = False
         for g in range(P):
-            actions = program.ranks[g]
-            deps_g = deps_table[g]
-            while ptr[g] < len(actions):
+            actions = compiled.ranks[g]
+            n_actions = len(actions)
+            while ptr[g] < n_actions:
                 i = ptr[g]
-                a = actions[i]
+                idx, s, kind, direction, deps = actions[i]
                 ready = free[g]
                 blocked = False
-                for d, crosses in deps_g[i]:
-                    t = finish.get(d)
+                for d, crosses, d_stage in deps:
+                    t = finish[d]
                     if t is None:
                         blocked = True
                         break
                     if crosses:
-                        t += send_f[d.stage] if a.kind == "F" else send_b[d.stage]
+                        t += send_f[d_stage] if kind == "F" else send_b[d_stage]
                     if t > ready:
                         ready = t
                 if blocked:
                     break
-                s, kind = a.stage, a.kind
                 d_ = dur[kind][s]
                 end = ready + d_
-                started[a], finish[a] = ready, end
+                started[idx], finish[idx] = ready, end
                 free[g] = end
-                if blocking_p2p:
-                    direction = sends[a]
-                    if direction:
-                        free[g] += send_f[s] if direction == "forward" else send_b[s]
+                if blocking_p2p and direction:
+                    free[g] += send_f[s] if direction == 1 else send_b[s]
                 busy[g] += d_
                 tp_comm[g] += comm[kind][s]
                 ep_comm[g] += ep[kind][s]
@@ -150,7 +149,8 @@ def simulate(program: ScheduleProgram, costs: list[StageCosts], optimizer: list[
                         peak[g] = live[g]
                 elif kind == "B" or kind == "W":
                     live[g] -= act_bytes[s]
-                events.append(Event(g, kind, s, a.micro_batch, ready, end))
+                if timeline:
+                    events.append(Event(g, kind, s, actions_of[g][i].micro_batch, ready, end))
                 ptr[g] = i + 1
                 done += 1
                 progressed = True
@@ -163,10 +163,10 @@ def simulate(program: ScheduleProgram, costs: list[StageCosts], optimizer: list[
     post_optimizer = post_optimizer or [0.0] * P
     for g in range(P):
         # The last backward-type action of each stage releases its gradients.
-        last: dict[int, Action] = {}
-        for a in program.ranks[g]:
-            if a.kind in ("B", "W"):
-                last[a.stage] = a
+        last: dict[int, int] = {}
+        for idx, stage, kind, _, _ in compiled.ranks[g]:
+            if kind in ("B", "W"):
+                last[stage] = idx
         comm_free = 0.0
         for stage, a in sorted(last.items(), key=lambda kv: finish[kv[1]]):
             r = costs[stage].grad_reduce
@@ -179,12 +179,13 @@ def simulate(program: ScheduleProgram, costs: list[StageCosts], optimizer: list[
             else:
                 start = max(comm_free, finish[a])
                 end = start + r
-            events.append(Event(g, "reduce", stage, -1, end - r, end))
+            if timeline:
+                events.append(Event(g, "reduce", stage, -1, end - r, end))
             comm_free = end
         comm_end[g] = comm_free
         opt_start = max(compute_end[g], comm_free)
         rank_end[g] = opt_start + optimizer[g] + post_optimizer[g]
-        if optimizer[g] > 0:
+        if optimizer[g] > 0 and timeline:
             events.append(Event(g, "optimizer", -1, -1, opt_start, opt_start + optimizer[g]))
     iteration = max(rank_end)
     critical = max(range(P), key=lambda g: (rank_end[g], busy[g]))

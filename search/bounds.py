@@ -73,6 +73,7 @@ class Bounds:
         self._mixed: dict = {}
         self._counts: dict = {}
         self._mb_bound: dict = {}
+        self._periods: dict = {}
         self._caps: dict = {}
         self._extra: dict = {}
 
@@ -234,9 +235,15 @@ class Bounds:
         hit = self._mb_bound.get(key)
         if hit is None:
             P = sk.pp
-            summ = [(self.summary(k, b, sp), n) for k, n in self._distinct(sk_id, sk)]
-            period = 1.0 / sum(n / s.work for s, n in summ)
-            period = max(period, min(s.smallest[-(-self.L // P)] for s, _ in summ))
+            distinct = tuple(self._distinct(sk_id, sk))
+            # The period depends on the pipeline only through its kinds and depth (many
+            # skeletons share them: every data-parallel degree of a mesh shape).
+            pkey = (distinct, P, b, sp)
+            period = self._periods.get(pkey)
+            if period is None:
+                summ = [(self.summary(k, b, sp), n) for k, n in distinct]
+                period = 1.0 / sum(n / s.work for s, n in summ)
+                period = self._periods[pkey] = max(period, min(s.smallest[-(-self.L // P)] for s, _ in summ))
             hit = self._mb_bound[key] = period / b * self.global_batch / sk.dp
         return hit
 

@@ -122,6 +122,7 @@ class _Search:
         """A lower bound for the pipelines placement did not get to (time limit)."""
         self.best_time = INF
         """Fast-model time of the best candidate so far."""
+        self._pipelining_counts: dict = {}
 
     # ------------------------------------------------------------ options
     def tp_options(self) -> list[int]:
@@ -209,12 +210,16 @@ class _Search:
         low = tuple(z for z in zeros if z < 3 or shards == 1)
         z3 = shards > 1 and 3 in zeros
         for m, sched, v in self._pipelinings(P, dp, b):
-            base = Setting(b, m, sched, v, 0, sp)
-            ok_low = tuple(z for z in low if self._runs_on_target(sk, replace(base, zero=z)))
+            # (Settings built directly: dataclasses.replace costs several times more, and
+            # this runs for every candidate of the space.)
+            if self.restricted:
+                ok_low = tuple(z for z in low if self._runs_on_target(sk, Setting(b, m, sched, v, z, sp)))
+            else:
+                ok_low = low
             if ok_low:
-                yield replace(base, zero=ok_low[-1]), ok_low
-            if z3 and self._runs_on_target(sk, replace(base, zero=3)):
-                yield replace(base, zero=3), (3,)
+                yield Setting(b, m, sched, v, ok_low[-1], sp), ok_low
+            if z3 and self._runs_on_target(sk, Setting(b, m, sched, v, 3, sp)):
+                yield Setting(b, m, sched, v, 3, sp), (3,)
 
     def _runs_on_target(self, sk: Skeleton, st: Setting) -> bool:
         """The target engine can run this mesh and setting (the split and recomputation are
@@ -255,6 +260,9 @@ class _Search:
         ng = self.cluster.groups[0]
         n = self.cluster.num_gpus
         out = []
+        # Skeletons of one (tp, cp, dp) share their groups' objects (pipeline rank p holds the
+        # same ranks whatever the depth): fewer objects, and caches keyed by group hit.
+        made: dict[tuple[int, int, int, int], DeviceGroup] = {}
         for tp in self.tp_options():
             if ng.gpus_per_node % tp:
                 continue
@@ -265,9 +273,14 @@ class _Search:
                         if used > n or (self.c.use_all_gpus and used != n):
                             continue
                         per = tp * cp * dp
-                        groups = tuple(DeviceGroup(ranks=tuple(range(p * per, (p + 1) * per)), tp=tp, cp=cp)
-                                       for p in range(pp))
-                        out += self.with_ep(Skeleton(groups=groups, kinds=(Kind(0, tp, cp, comm),) * pp))
+                        groups = []
+                        for p in range(pp):
+                            g = made.get((tp, cp, dp, p))
+                            if g is None:
+                                g = made[(tp, cp, dp, p)] = DeviceGroup(
+                                    ranks=tuple(range(p * per, (p + 1) * per)), tp=tp, cp=cp)
+                            groups.append(g)
+                        out += self.with_ep(Skeleton(groups=tuple(groups), kinds=(Kind(0, tp, cp, comm),) * pp))
         return out
 
     def heterogeneous_skeletons(self, pstats: PlacementStats) -> list[Skeleton]:
@@ -430,7 +443,13 @@ class _Search:
         """Candidates of a skeleton (what settings() yields, times its ZeRO stages)."""
         n_zero = len(self.c.zero) if sk.shards > 1 else 1
         n_sp = len(self.sequence_parallel(sk))
-        return sum(1 for b in self.mb_options(sk.dp) for _ in self._pipelinings(sk.pp, sk.dp, b)) * n_sp * n_zero
+        key = (sk.pp, sk.dp)
+        n = self._pipelining_counts.get(key)
+        if n is None:
+            # Every skeleton of one depth and data-parallel degree has the same settings.
+            n = self._pipelining_counts[key] = sum(1 for b in self.mb_options(sk.dp)
+                                                   for _ in self._pipelinings(sk.pp, sk.dp, b))
+        return n * n_sp * n_zero
 
     def _best_first(self, skeletons: list[Skeleton]) -> list[tuple]:
         """Branch and bound over (skeleton, setting) in increasing order of lower bounds.
@@ -511,7 +530,8 @@ class _Search:
             for zi, z in enumerate(zeros):
                 examined += 1
                 self.progress.step()
-                st = replace(st0, zero=z)
+                st = st0 if z == st0.zero else Setting(st0.micro_batch, st0.num_micro_batches, st0.schedule,
+                                                       st0.virtual_stages, z, st0.sequence_parallel)
                 if z != zeros[-1] and not self.memory_bound_ok(sk, st):
                     stats.pruned_memory_bound += 1
                     continue

@@ -150,16 +150,17 @@ def stage_figures(tables: Tables, sk: Skeleton, st: Setting, bounds: Sequence[tu
     for j, ((a, b), mode) in enumerate(zip(bounds, recompute)):
         g = j % P
         group = sk.groups[g]
-        t = tables.table(sk.kinds[g], st.micro_batch, st.sequence_parallel)
+        t = tables.table(sk.kinds[g], st.micro_batch, st.sequence_parallel).scalars
         q = RECOMPUTES.index(mode)
-        fwd = t.cum_forward[b] - t.cum_forward[a]
-        bi = t.cum_backward_input[q, b] - t.cum_backward_input[q, a]
-        bw = t.cum_backward_weight[b] - t.cum_backward_weight[a]
-        params = t.cum_params[b] - t.cum_params[a]
-        cast = t.cum_cast_params[b] - t.cum_cast_params[a]
+        fwd = t["cum_forward"][b] - t["cum_forward"][a]
+        cbi = t["cum_backward_input"][q]
+        bi = cbi[b] - cbi[a]
+        bw = t["cum_backward_weight"][b] - t["cum_backward_weight"][a]
+        params = t["cum_params"][b] - t["cum_params"][a]
+        cast = t["cum_cast_params"][b] - t["cum_cast_params"][a]
         # Expert gradients go over the ranks holding the same experts (costmodel.experts).
         ep = sk.ep
-        expert = t.cum_expert_params[b] - t.cum_expert_params[a] if ep > 1 else 0.0
+        expert = t["cum_expert_params"][b] - t["cum_expert_params"][a] if ep > 1 else 0.0
 
         def collective(per_param: float, kind: str) -> float:
             return (tables.dp_collective(group, (params - expert) * per_param, kind)
@@ -176,17 +177,17 @@ def stage_figures(tables: Tables, sk: Skeleton, st: Setting, bounds: Sequence[tu
         if j < n - 1:
             nxt = sk.groups[(j + 1) % P]
             if nxt is not group:
-                send_f = tables.p2p(group, nxt, float(t.output_bytes[b - 1]))
+                send_f = tables.p2p(group, nxt, t["output_bytes"][b - 1])
         if j > 0:
             prv = sk.groups[(j - 1) % P]
             if prv is not group:
-                send_b = tables.p2p(group, prv, float(t.output_bytes[a - 1]))
+                send_b = tables.p2p(group, prv, t["output_bytes"][a - 1])
         out.append(StageFigures(
             forward=fwd, backward_input=bi, backward_weight=bw, send_forward=send_f, send_backward=send_b,
             grad_reduce=reduce, params=params, cast_params=cast,
-            activation=t.cum_activation[q, b] - t.cum_activation[q, a],
-            transient=float(t.max_transient[q, a, b]), max_params=float(t.max_params[a, b]), units=b - a,
-            zero_params=t.cum_zero_params[b] - t.cum_zero_params[a]))
+            activation=t["cum_activation"][q][b] - t["cum_activation"][q][a],
+            transient=t["max_transient"][q][a][b], max_params=t["max_params"][a][b], units=b - a,
+            zero_params=t["cum_zero_params"][b] - t["cum_zero_params"][a]))
     return out
 
 
@@ -316,7 +317,7 @@ def simulated_time(tables: Tables, sk: Skeleton, st: Setting, figs: Sequence[Sta
     opt, post = _tails(tables, sk, st, figs)
     opts = tables.options
     return simulate(build_program(plan), costs, opt, opts.overlap_grad_reduce, post,
-                    blocking_p2p=opts.blocking_p2p).iteration_time
+                    blocking_p2p=opts.blocking_p2p, timeline=False).iteration_time
 
 
 def busy_bound(tables: Tables, sk: Skeleton, st: Setting, figs: Sequence[StageFigures]) -> float:

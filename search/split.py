@@ -62,8 +62,12 @@ class Splitter:
         self._time: dict = {}
         self._mem: dict = {}
         self._band: dict = {}
+        self._bands: dict = {}
         self._reserve: dict = {}
         self._free: dict = {}
+        self._free_mixed: dict = {}
+        self._shares: dict = {}
+        self._shortest: dict = {}
         self.runs = 0
         """DP runs (for the search statistics; splits shared from the cache not counted)."""
 
@@ -166,14 +170,21 @@ class Splitter:
         # cheap); a split found under that limit is optimal, as every longer stage would
         # cost more. Otherwise the limit widens, up to the caller's.
         limit = free.period * 1.25
-        for _ in range(3):
+        widest = None
+        for i in range(3):
             if limit >= period_limit:
                 break
             found = self._split_dp(sk, st, modes, objective, limit, joint)
             if found is not None:
                 return found
+            if i == 0:
+                # Where no split fits under the caller's limit, none fits under a
+                # narrower one: one DP says so instead of three.
+                widest = self._split_dp(sk, st, modes, objective, period_limit, joint)
+                if widest is None:
+                    return None
             limit *= 2
-        return self._split_dp(sk, st, modes, objective, period_limit, joint)
+        return widest if widest is not None else self._split_dp(sk, st, modes, objective, period_limit, joint)
 
     def free_period(self, sk: Skeleton, st: Setting, modes: tuple[str, ...]) -> float:
         """The least period (slowest stage, seconds per micro-batch) any split of ``sk``
@@ -190,15 +201,22 @@ class Splitter:
         # Under ZeRO-3 the stage times depend on each group's collectives.
         comm = tuple((self.tables.dp_affines(g, "all_gather"), self.tables.dp_affines(g, "reduce_scatter"))
                      for g in sk.groups) if z3 else None
-        if len(set(sk.kinds)) > 1:
-            # A mixed pipeline's kinds are rarely seen twice: not cached.
-            return self._split_dp(sk, st, modes[:1], "time", period_limit, False, unlimited=True)
         sp = st.sequence_parallel and any(k.tp > 1 for k in sk.kinds)
         # On one device kind in one mode every split has the same total work, so the
         # micro-batch count, which only trades period against total, is left out (except
         # under ZeRO-3, whose exposed gathers make totals differ): the least period wins.
         m = st.num_micro_batches
         key = (sk.kinds, st.micro_batch, sp, v, modes[0], comm, m if z3 and m < 4 * sk.pp else None)
+        if len(set(sk.kinds)) > 1:
+            # A mixed pipeline is seen again by the same candidate's other attempts (and
+            # its other ZeRO stages and schedules), mostly under the same period limit:
+            # cached under exactly that limit.
+            key = key + (period_limit,)
+            hit = self._free_mixed.get(key)
+            if hit is None:
+                hit = self._free_mixed[key] = (self._split_dp(sk, st, modes[:1], "time", period_limit, False,
+                                                              unlimited=True),)
+            return hit[0]
         # Cached with the period limit it was computed under: a split within that limit is
         # the least period under any limit; "none within this limit" (None, or a split
         # over it) also holds for every smaller limit.
@@ -243,21 +261,26 @@ class Splitter:
             return None
         qs = [RECOMPUTES.index(m) for m in modes]
         K = L - S + 1
+        time_ms = [self._time_mats(sk, g, st) for g in range(P)]
         if unlimited:
             # The even split (unit counts differing by at most one) bounds the least
             # period from above: no stage of the optimum costs more than it does.
             edges = [round(i * L / S) for i in range(S + 1)]
-            even = max(float(self._time_mats(sk, j % P, st)[qs[0]][a, e])
-                       for j, (a, e) in enumerate(zip(edges, edges[1:])))
+            even = max(float(time_ms[j % P][qs[0]][a, e]) for j, (a, e) in enumerate(zip(edges, edges[1:])))
             period_limit = min(period_limit, even * (1 + 1e-9))
         if np.isfinite(period_limit):
             # No stage may be longer than the shortest run of units that already exceeds
-            # the limit on the fastest group.
-            mats = {id(m): m for m in (self._time_mats(sk, g, st)[qs[0]] for g in range(P))}
-            fastest = np.minimum.reduce(list(mats.values()))
-            start_k, valid_k = self._index(K)
-            shortest = np.where(valid_k, fastest[start_k, np.arange(L + 1)[:, None]], INF).min(axis=0)
-            over = np.nonzero(shortest > period_limit)[0]
+            # the limit on the fastest group. (shortest[d]: the cheapest run of d + 1 units
+            # on any of the groups; it depends only on the groups' matrices, so it is
+            # kept, at full width, for the next DP over them.)
+            key = (frozenset(id(m) for m in time_ms), qs[0])
+            shortest = self._shortest.get(key)
+            if shortest is None:
+                fastest = np.minimum.reduce([m[qs[0]] for m in {id(m): m for m in time_ms}.values()])
+                start_k, valid_k = self._index(L)
+                shortest = self._shortest[key] = np.where(
+                    valid_k, fastest[start_k, np.arange(L + 1)[:, None]], INF).min(axis=0)
+            over = np.nonzero(shortest[:K] > period_limit)[0]
             if len(over):
                 K = int(over[0])
             if K < 1:
@@ -268,66 +291,95 @@ class Splitter:
             fl = inflight(st.schedule, P, st.num_micro_batches, v)
             counts = fl.joint if joint else fl.per_chunk
             shares = self._chunk_shares(sk, st, counts)
-        # Band views (stage ending at e with d + 1 units), shared by stages on equal groups.
-        bands: dict = {}
+        mode_key = tuple(qs)
 
         def band(mats: np.ndarray, fill: float) -> np.ndarray:
-            hit = bands.get(id(mats))
-            if hit is None:
-                hit = bands[id(mats)] = np.where(valid[None], mats[:, start, ends], fill)[qs]
-            return hit
+            """The band view (stage ending at e with d + 1 units) of a cached matrix, for
+            the modes allowed: built once at full width, then sliced to this DP's K."""
+            key = (id(mats), mode_key)
+            hit = self._bands.get(key)
+            if hit is None or hit[0] is not mats:
+                full_start, full_valid = self._index(L)
+                wide = np.where(full_valid[None], mats[:, full_start, ends], fill)
+                hit = self._bands[key] = (mats, wide if mode_key == (0, 1, 2) else wide[qs])
+            return hit[1][:, :, :K]
 
-        # Stages on groups with the same matrices are costed together: cost[e, d] (inf
-        # where it does not fit) and the recompute mode chosen, for every stage at once.
-        alike: dict = {}
-        for j in range(S):
-            g, chunk = j % P, j // P
+        # What a stage needs depends on its group (and, through the budget share and the
+        # in-flight count, on its chunk): look the group's matrices up once.
+        per_group = []
+        for g in range(P):
+            time_m = time_ms[g]
+            if unlimited:
+                per_group.append((time_m, None, None, 0.0))
+                continue
             pool = sk.kinds[g].pool
             cap = self.tables.capacity(pool) - self.tables.fixed_bytes(pool, sk.groups[g], P, sk.ep)
-            time_m = self._time_mats(sk, g, st)
-            if unlimited:
-                alike.setdefault((id(time_m),), (time_m, None, None, [], [], []))[3].append(j)
-                continue
             if v == 1:
-                budget = cap
                 base, act = self._mem_mats(sk, g, st)
+                per_group.append((time_m, base, act, cap))
             else:
                 # A group's chunks share its memory, but its transient peak happens once:
                 # set aside the largest transient the group can see, split the rest.
-                budget = (cap - self.tables.dynamic_factor * self._transient_reserve(sk, g, st, qs)) \
-                    * shares[g][chunk]
                 base, act = self._states_mats(sk, g, st)
-            entry = alike.setdefault((id(time_m), id(base), id(act)), (time_m, base, act, [], [], []))
-            entry[3].append(j)
-            entry[4].append(counts[g][chunk])
-            entry[5].append(budget)
+                per_group.append((time_m, base, act, cap - self.tables.dynamic_factor
+                                  * self._transient_reserve(sk, g, st, qs)))
+        # Stages on groups with the same matrices are costed together: cost[e, d] (inf
+        # where it does not fit) and the recompute mode chosen, for every stage at once;
+        # stages with the same in-flight count and budget share one computation.
+        alike: dict = {}
+        for j in range(S):
+            g, chunk = j % P, j // P
+            time_m, base, act, room = per_group[g]
+            if unlimited:
+                alike.setdefault((id(time_m),), (time_m, None, None, {}))[3].setdefault(None, []).append(j)
+                continue
+            budget = room if v == 1 else room * shares[g][chunk]
+            entry = alike.setdefault((id(time_m), id(base), id(act)), (time_m, base, act, {}))
+            entry[3].setdefault((counts[g][chunk], budget), []).append(j)
         costs = np.empty((S, L + 1, K))
         choices = np.empty((S, L + 1, K), dtype=np.int8)
-        q_index = np.array(qs, dtype=np.int8)
-        for time_m, base, act, js, n_inflight, budgets in alike.values():
-            t_band = band(time_m, INF)[None]                     # (1, modes, L + 1, K)
+        limited = np.isfinite(period_limit)
+        for time_m, base, act, rows in alike.values():
+            t_band = band(time_m, INF)                           # (modes, L + 1, K)
             if unlimited:
-                val = np.broadcast_to(t_band, (len(js),) + t_band.shape[1:])
-            else:
-                n = np.array(n_inflight, dtype=float)[:, None, None, None]
-                cap_j = np.array(budgets)[:, None, None, None]
-                need = band(base, 0.0)[None] + n * band(act, 0.0)[None]
+                js = rows[None]
+                costs[js] = t_band[0]
+                choices[js] = qs[0]
+                continue
+            keys = list(rows)
+            n = np.array([k[0] for k in keys], dtype=float)[:, None, None]
+            cap_j = np.array([k[1] for k in keys])[:, None, None]
+            base_b, act_b = band(base, 0.0), band(act, 0.0)
+            # (Where a test holds for a whole row or the whole band, it is settled once
+            # on the row or the band instead of on every element.)
+            no_room = [r for r, k in enumerate(keys) if not k[1] > 0]
+            safe_cap = np.where(cap_j > 0, cap_j, 1.0)
+            best = choice = None
+            for i, q in enumerate(qs):
+                need = base_b[i][None] + n * act_b[i][None]
+                t_i = t_band[i]
+                if limited:
+                    t_i = np.where(t_i <= period_limit, t_i, INF)
                 if objective == "memory":
                     # A device with no budget left (cap 0) takes nothing: any need is
-                    # infinite there, and 0/0 must not become NaN (argmin would pick it).
-                    with np.errstate(divide="ignore", invalid="ignore"):
-                        frac = np.where(cap_j > 0, need / np.where(cap_j > 0, cap_j, 1.0),
-                                        np.where(need > 0, INF, 0.0))
-                    val = np.where(t_band <= period_limit, frac, INF)
+                    # infinite there, and 0/0 must not become NaN.
+                    frac = need / safe_cap
+                    for r in no_room:
+                        frac[r] = np.where(need[r] > 0, INF, 0.0)
+                    val = np.where(t_i[None] < INF, frac, INF) if limited else frac
                 else:
-                    val = np.where(need <= cap_j, t_band, INF)
-                    if np.isfinite(period_limit):
-                        val = np.where(val <= period_limit, val, INF)
-            # The first of equal modes wins: the fastest (modes are listed fastest first).
-            arg = val.argmin(axis=1)
-            best = np.take_along_axis(val, arg[:, None], axis=1)[:, 0]
-            costs[js] = best
-            choices[js] = q_index[arg]
+                    val = np.where(need <= cap_j, t_i[None], INF)
+                # The first of equal modes wins: the fastest (modes are listed fastest
+                # first), so a later mode must be strictly better.
+                if best is None:
+                    best, choice = val, np.full(val.shape, q, dtype=np.int8)
+                else:
+                    better = val < best
+                    best = np.where(better, val, best)
+                    choice = np.where(better, np.int8(q), choice)
+            for r, k in enumerate(keys):
+                costs[rows[k]] = best[r]
+                choices[rows[k]] = choice[r]
         period = _minmax(costs, start, valid, L)
         if period is None:
             return None
@@ -392,7 +444,11 @@ class Splitter:
         P, v = sk.pp, st.virtual_stages
         if v == 1:
             return [[1.0] for _ in range(P)]
-        out = []
+        key = (sk.kinds, sk.shards, st.micro_batch, st.sequence_parallel, st.zero, counts)
+        hit = self._shares.get(key)
+        if hit is not None:
+            return hit
+        out = self._shares[key] = []
         for g in range(P):
             t = self.tables.table(sk.kinds[g], st.micro_batch, st.sequence_parallel)
             states = self.tables.state_bytes(float(t.cum_params[self.L]), 0.0, sk.shards, st.zero)

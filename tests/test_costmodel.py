@@ -137,3 +137,25 @@ def test_korthikanti_22b_row_within_15_percent():
                                  recompute="selective", sequence_parallel=True)
     est = autoplan.estimate(model, cluster, plan, stack="megatron-lm-2021")
     assert est.iteration_time_s == pytest.approx(1.10, rel=0.15)  # Korthikanti et al. 2022, Table 5
+
+
+@pytest.mark.parametrize("schedule,pp,m,v,blocking", [
+    ("1f1b", 4, 8, 1, True), ("gpipe", 3, 4, 1, False), ("interleaved-1f1b", 2, 4, 2, True),
+    ("zero-bubble", 4, 8, 1, False)], ids=["1f1b", "gpipe", "interleaved", "zero-bubble"])
+def test_simulation_without_timeline_keeps_every_time(schedule, pp, m, v, blocking):
+    """The search asks the simulator for times only; what it skips is the event list."""
+    from autoplan.schedule import _build
+    from costmodel.simulate import StageCosts, simulate
+    S = pp * v
+    program = _build(schedule, pp, m, v, tuple(j % pp for j in range(S)))
+    costs = [StageCosts(forward=1.0 + 0.1 * j, backward=2.0 + 0.2 * j, backward_input=1.1 + 0.1 * j,
+                        backward_weight=0.9 + 0.1 * j, send_forward=0.05 if j < S - 1 else 0.0,
+                        send_backward=0.04 if j else 0.0, activation_bytes=1e6 * (j + 1), grad_reduce=0.3,
+                        layers=2, tp_comm_forward=0.01, tp_comm_backward=0.02) for j in range(S)]
+    opt, post = [0.5] * pp, [0.1] * pp
+    full = simulate(program, costs, opt, True, post, blocking_p2p=blocking)
+    lean = simulate(program, costs, opt, True, post, blocking_p2p=blocking, timeline=False)
+    assert full.events and not lean.events
+    for field in ("iteration_time", "compute_end", "busy", "tp_comm", "comm_end", "rank_end",
+                  "peak_activation_bytes", "critical_rank", "optimizer"):
+        assert getattr(lean, field) == getattr(full, field), field

@@ -222,6 +222,51 @@ def test_dp_finds_the_smallest_period_that_fits(case):
         assert analysis.fits
 
 
+# The DP keeps band views, shortest-run tables, chunk shares and memory-free splits
+# across runs: a splitter that has answered many questions must give the answers a
+# fresh one gives (every cache key is complete).
+WARM_SKELETONS = {
+    "homogeneous-pp4": (CLUSTER, Skeleton(groups=tuple(DeviceGroup(ranks=(4 * g, 4 * g + 1, 4 * g + 2, 4 * g + 3),
+                                                                   tp=2) for g in range(4)),
+                                          kinds=(Kind(0, 2),) * 4)),
+    "mixed-t4-v100": (MIXED, Skeleton(groups=mixed_plan(MIXED, "1f1b", 0, "none", False).groups,
+                                      kinds=(Kind(1, 2),) * 2 + (Kind(0, 2),) * 2)),
+    # Memory binds here: the constrained DPs (and their caches) do the work.
+    "tight-toy": (Cluster.from_dict({"node_groups": [{"name": "n", "nodes": 1, "gpus_per_node": 4, "device": {
+        "name": "toy", "memory_GiB": 3.4, "peak_TFLOPS": {"bf16": 100}, "memory_bandwidth_GBps": 1000}}]}),
+                  Skeleton(groups=tuple(DeviceGroup(ranks=(g * 2, g * 2 + 1), tp=1) for g in range(2)),
+                           kinds=(Kind(0, 1),) * 2)),
+}
+WARM_SETTINGS = [Setting(b, 16 // b, sched, v, zero, b == 1) for b in (1, 4) for sched, v in
+                 (("1f1b", 1), ("gpipe", 1), ("zero-bubble", 1), ("interleaved-1f1b", 2)) for zero in (0, 3)]
+
+
+@pytest.mark.parametrize("name", WARM_SKELETONS, ids=list(WARM_SKELETONS))
+def test_warm_splitter_answers_as_a_fresh_one(name):
+    cluster, sk = WARM_SKELETONS[name]
+    tables = Tables(GPT, cluster, options=EstimateOptions(memory_margin=0.0))
+    warm = Splitter(tables)
+    modes = ("none", "selective", "full")
+    asked = recomputed = 0
+    for st in WARM_SETTINGS:
+        free = warm.free_period(sk, st, modes)
+        for limit in (float("inf"), free * 1.5, free * 1.01):
+            for objective, joint in (("time", False), ("time", True), ("memory", False)):
+                if joint and st.virtual_stages == 1:
+                    continue
+                got = warm.split(sk, st, modes, objective=objective, period_limit=limit, joint=joint)
+                fresh = Splitter(tables).split(sk, st, modes, objective=objective, period_limit=limit, joint=joint)
+                assert (got is None) == (fresh is None), (st, limit, objective)
+                if got is not None:
+                    assert (got.bounds, got.recompute, got.period, got.total) == \
+                        (fresh.bounds, fresh.recompute, fresh.period, fresh.total), (st, limit, objective)
+                    asked += 1
+                    recomputed += any(r != "none" for r in got.recompute)
+    assert asked > 0
+    if name.startswith("tight"):
+        assert recomputed > 0   # the case exercises the memory-constrained DP
+
+
 # -------------------------------------------------------------------- bounds
 
 @pytest.mark.parametrize("schedule,b,zero,memory", [
