@@ -193,22 +193,29 @@ def hagemann_frame() -> pd.DataFrame:
     return df
 
 
+def _hagemann_run(r, stack, specs: dict) -> tuple:
+    """(model, cluster, plan) of one Hagemann run as it was configured (ZeRO-1, Megatron's
+    rank order); models are shared through ``specs`` across runs of one shape and kernel."""
+    key = (r.layers, r.hidden, r.heads, r.seq_len, stack.attention, stack.fused_norm)
+    if key not in specs:
+        specs[key] = autoplan.models.transformer(
+            layers=int(r.layers), hidden=int(r.hidden), heads=int(r.heads), seq_len=int(r.seq_len),
+            vocab=HAGEMANN_VOCAB, arch="llama", attention=stack.spec_attention, fused_norm=stack.fused_norm)
+    model = specs[key]
+    cluster = autoplan.Cluster.homogeneous("A100-SXM4-80GB", r.num_gpus // 8, 8, inter_node_GBps=INTER_NODE_GBPS)
+    plan = autoplan.Plan.uniform(model, cluster, tp=int(r.tp), pp=int(r.pp), dp=int(r.dp),
+                                 micro_batch=int(r.micro_batch),
+                                 global_batch=HAGEMANN_TOKENS_PER_STEP // int(r.seq_len),
+                                 recompute="full" if r.recompute.startswith("full") else "none",
+                                 sequence_parallel=r.seq_parallel == "yes", zero=1)
+    return model, cluster, plan
+
+
 def evaluate_hagemann(df: pd.DataFrame, base=None) -> pd.DataFrame:
     specs, rows = {}, []
     for r in df.itertuples():
         stack = hagemann_stack(r.kernel_raw, base)
-        key = (r.layers, r.hidden, r.heads, r.seq_len, stack.attention, stack.fused_norm)
-        if key not in specs:
-            specs[key] = autoplan.models.transformer(
-                layers=int(r.layers), hidden=int(r.hidden), heads=int(r.heads), seq_len=int(r.seq_len),
-                vocab=HAGEMANN_VOCAB, arch="llama", attention=stack.spec_attention, fused_norm=stack.fused_norm)
-        model = specs[key]
-        cluster = autoplan.Cluster.homogeneous("A100-SXM4-80GB", r.num_gpus // 8, 8, inter_node_GBps=INTER_NODE_GBPS)
-        plan = autoplan.Plan.uniform(model, cluster, tp=int(r.tp), pp=int(r.pp), dp=int(r.dp),
-                                     micro_batch=int(r.micro_batch),
-                                     global_batch=HAGEMANN_TOKENS_PER_STEP // int(r.seq_len),
-                                     recompute="full" if r.recompute.startswith("full") else "none",
-                                     sequence_parallel=r.seq_parallel == "yes", zero=1)
+        model, cluster, plan = _hagemann_run(r, stack, specs)
         est = estimate(model, cluster, plan, stack=stack)
         rows.append(dict(table=r.table, model=r.model, seq=int(r.seq_len), kernel=r.kernel_raw, fa2=r.fa2,
                          fitting=r.fitting, ran=r.status == "ok", fits=est.fits, tight=est.tight,
@@ -229,18 +236,7 @@ def _memory_terms(df: pd.DataFrame, stack) -> pd.DataFrame:
     specs = {}
     for r in df.itertuples():
         st = hagemann_stack(r.kernel_raw, base)
-        key = (r.layers, r.hidden, r.heads, r.seq_len, st.attention, st.fused_norm)
-        if key not in specs:
-            specs[key] = autoplan.models.transformer(
-                layers=int(r.layers), hidden=int(r.hidden), heads=int(r.heads), seq_len=int(r.seq_len),
-                vocab=HAGEMANN_VOCAB, arch="llama", attention=st.spec_attention, fused_norm=st.fused_norm)
-        model = specs[key]
-        cluster = autoplan.Cluster.homogeneous("A100-SXM4-80GB", r.num_gpus // 8, 8, inter_node_GBps=INTER_NODE_GBPS)
-        plan = autoplan.Plan.uniform(model, cluster, tp=int(r.tp), pp=int(r.pp), dp=int(r.dp),
-                                     micro_batch=int(r.micro_batch),
-                                     global_batch=HAGEMANN_TOKENS_PER_STEP // int(r.seq_len),
-                                     recompute="full" if r.recompute.startswith("full") else "none",
-                                     sequence_parallel=r.seq_parallel == "yes", zero=1)
+        model, cluster, plan = _hagemann_run(r, st, specs)
         est = estimate(model, cluster, plan, stack=st)
         head_group = plan.stages[-1].group
         logits = plan.micro_batch * loss_logits(model.layers[-1], plan.groups[head_group].tp, plan.dtype, st)
