@@ -16,7 +16,6 @@ from __future__ import annotations
 import dataclasses
 import time
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 from torch.utils.checkpoint import checkpoint
@@ -25,7 +24,7 @@ from autoplan.models.config import TransformerConfig
 from autoplan.models.spec import LayerSpec
 from autoplan.profiler.shapes import ShapeKey, shard_config
 from autoplan.profiler.timing import (STATISTICS, CacheFlush, Clock, RepeatPolicy, SavedBytes, flush_bytes,
-                                      profile_pass, spread)
+                                      profile_pass, repeat_timed, spread)
 
 TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 RECOMPUTE_MODES = ("none", "selective", "full")
@@ -121,27 +120,6 @@ def _build_unit(task: LayerTask, device: str, dtype: str) -> _Unit:
     return _Unit(unit, x, targets, float_input, is_head)
 
 
-def _repeat(clock: Clock, policy: RepeatPolicy, step: Callable[[], dict[str, float]]) -> dict[str, list[float]]:
-    """Run ``step`` (which times several things and returns their seconds) after warm-up,
-    until the policy's count and time are both met."""
-    # Warm up by count and by time: the first runs in a process also pay for thread
-    # pools, page faults and kernel caches that a few tiny runs do not exhaust.
-    t0 = time.perf_counter()
-    n = 0
-    while n < policy.warmup or (n < policy.max_repeats and time.perf_counter() - t0 < policy.min_time_s / 2):
-        step()
-        n += 1
-    samples: dict[str, list[float]] = {}
-    spent, n = 0.0, 0
-    while n < policy.repeats or (spent < policy.min_time_s and n < policy.max_repeats):
-        got = step()
-        for k, v in got.items():
-            samples.setdefault(k, []).append(v)
-        spent += sum(got.values())
-        n += 1
-    return samples
-
-
 def _attention_core(module: torch.nn.Module) -> torch.nn.Module | None:
     attn = getattr(module, "attention", None)
     return getattr(attn, "core", None)
@@ -183,7 +161,7 @@ def measure_layer(task: LayerTask, device: str, dtype: str, policy: RepeatPolicy
             times.update(forward2=t_f2, backward_input=t_bi)
         return times
 
-    samples = _repeat(clock, policy, step)
+    samples = repeat_timed(policy, step)
     samples["forward"] = samples["forward"] + samples.pop("forward2", [])
     # Attention core alone: the extra backward work of selective recomputation.
     core = _attention_core(u.module)
@@ -231,7 +209,7 @@ def _time_core(u: _Unit, core: torch.nn.Module, clock: Clock, policy: RepeatPoli
     def step():
         flush()
         return {"core": clock.time(lambda: core(q, k, v))[0]}
-    return _repeat(clock, policy, step)["core"]
+    return repeat_timed(policy, step)["core"]
 
 
 def _memory(u: _Unit, params, clock: Clock, device: str, backward, ops: bool) -> dict:
@@ -316,7 +294,7 @@ def _measure_recompute(u: _Unit, params, core, mode: str, clock: Clock, policy: 
             out = fwd()
             flush()
             return {"backward": clock.time(lambda: out.backward(grad_out))[0]}
-        samples = _repeat(clock, dataclasses.replace(policy, warmup=1), step)
+        samples = repeat_timed(dataclasses.replace(policy, warmup=1), step)
     finally:
         if restore is not None:
             core.forward = restore

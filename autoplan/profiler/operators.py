@@ -32,7 +32,7 @@ from autoplan.limits import MAX_MICRO_BATCH
 from autoplan.models.graph import ModelGraph, UnitGraph
 from autoplan.models.opmeasure import local_shape, op_key
 from autoplan.models.strategies import Strategy, _fx_node, node_strategies
-from autoplan.profiler.timing import STATISTICS, Clock, RepeatPolicy
+from autoplan.profiler.timing import STATISTICS, Clock, RepeatPolicy, repeat_timed
 from costmodel.operators import OpTiming
 
 FORMAT_VERSION = 1
@@ -170,19 +170,9 @@ def measure_operator(graph: UnitGraph, node, strategy: Strategy, degree: int, mi
             o = [x for x in pytree.tree_leaves(out) if isinstance(x, torch.Tensor) and x.requires_grad]
             t_b, _ = clock.time(lambda: torch.autograd.grad(o, needs, grads, allow_unused=True))
         return {"forward": t_f, "backward": t_b}
-    samples: dict[str, list[float]] = {}
     t0 = time.perf_counter()
-    n = 0
-    while n < policy.warmup:
-        step()
-        n += 1
-    spent, n = 0.0, 0
-    while n < policy.repeats or (spent < policy.min_time_s and n < policy.max_repeats):
-        got = step()
-        for k, v in got.items():
-            samples.setdefault(k, []).append(v)
-        spent += sum(got.values())
-        n += 1
+    samples = repeat_timed(policy, step)
+    n = len(samples["forward"])
     stat = STATISTICS[policy.statistic]
     return {"micro_batch": micro_batch, "forward_ms": stat(samples["forward"]) * 1e3,
             "backward_ms": stat(samples["backward"]) * 1e3, "saved_bytes": float(saved_bytes),

@@ -311,3 +311,24 @@ def profile_pass(fn: Callable[[], object], clock: Clock, memory: bool) -> tuple[
                 top = max(top, cur)
             peak, end = float(top), float(cur)
     return OpProfile(times_ms=times, peak_bytes=peak, end_bytes=end), out
+
+
+def repeat_timed(policy: RepeatPolicy, step) -> dict[str, list[float]]:
+    """Run ``step`` (which times several things and returns their seconds by name) after
+    warm-up, until the policy's count and time are both met; the samples by name."""
+    # Warm up by count and by time: the first runs in a process also pay for thread
+    # pools, page faults and kernel caches that a few tiny runs do not exhaust.
+    t0 = time.perf_counter()
+    n = 0
+    while n < policy.warmup or (n < policy.max_repeats and time.perf_counter() - t0 < policy.min_time_s / 2):
+        step()
+        n += 1
+    samples: dict[str, list[float]] = {}
+    spent, n = 0.0, 0
+    while n < policy.repeats or (spent < policy.min_time_s and n < policy.max_repeats):
+        got = step()
+        for k, v in got.items():
+            samples.setdefault(k, []).append(v)
+        spent += sum(got.values())
+        n += 1
+    return samples
