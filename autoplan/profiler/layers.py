@@ -14,7 +14,6 @@ backward with recomputation and the activations it keeps.
 from __future__ import annotations
 
 import dataclasses
-import time
 from dataclasses import dataclass, field
 
 import torch
