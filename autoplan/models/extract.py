@@ -433,7 +433,8 @@ def _gemms(base: list, wide: list | None, batch2: list) -> tuple[Gemm, ...]:
     return tuple(out)
 
 
-def _unit_kind(unit: nn.Module) -> str:
+def unit_kind(unit: nn.Module) -> str:
+    """A unit's kind from its class name: embedding, head, or (anything else) block."""
     name = type(unit).__name__.lower()
     if "embed" in name:
         return "embedding"
@@ -470,7 +471,7 @@ def _layer_spec(name: str, unit: nn.Module, base: _Measurement, wide: _Measureme
                              activation_bytes=sp(base.expert_saved_bytes, w.expert_saved_bytes),
                              dispatch_bytes=base.dispatch_bytes, capacity_factor=capacity_factor)
     return LayerSpec(
-        name=name, kind=kind or _unit_kind(unit),
+        name=name, kind=kind or unit_kind(unit),
         params=sp(base.params, w.params),
         flops_fwd=sp(base.flops_fwd, w.flops_fwd), flops_bwd=sp(base.flops_bwd, w.flops_bwd),
         gemms_fwd=_gemms(base.fwd.gemms, wide.fwd.gemms if wide else None, batch2.fwd.gemms),
@@ -577,7 +578,7 @@ def spec_from_config(cfg, dtype: str = "bf16") -> ModelSpec:
     base_units = runs["base"]
     for i, (unit, m) in enumerate(base_units):
         wide = runs["wide"][i][1] if shardable else None
-        kind = _unit_kind(unit)
+        kind = unit_kind(unit)
         layers.append(_layer_spec(kind, unit, m, wide, runs["batch2"][i][1], causal, shardable,
                                   capacity_factor=getattr(cfg, "capacity_factor", None)))
     if uniform:

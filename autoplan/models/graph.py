@@ -33,6 +33,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils import _pytree as pytree
 
 from autoplan.errors import ConfigError
+from autoplan.models.extract import unit_kind as layer_kind
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -334,14 +335,13 @@ def capture_unit(unit: nn.Module, inputs: tuple[torch.Tensor, ...], name: str, k
 
 
 def unit_kind(unit: nn.Module) -> str:
+    """The unit's kind as the layer-level spec names it, but a unit that is neither an
+    embedding, a head, nor named a block/layer keeps its class name (operator graphs label
+    their units with it)."""
     name = type(unit).__name__.lower()
-    if "embed" in name:
-        return "embedding"
-    if "head" in name:
-        return "head"
-    if "block" in name or "layer" in name:
-        return "block"
-    return name
+    if "block" not in name and "layer" not in name and layer_kind(unit) == "block":
+        return name
+    return layer_kind(unit)
 
 
 def _unit_signature(unit: nn.Module, x: torch.Tensor) -> tuple:
