@@ -158,20 +158,20 @@ RESHARD_STEPS = 4
 assert all(p.global_batch == SAVE_PLAN.global_batch for p in LOAD_PLANS.values()), "same samples per step"
 
 
-def _reshard(rank: int, ckpt: str) -> dict:
-    """Train SAVE_PLAN, checkpoint after 2 steps, finish; then load that checkpoint under
-    each of LOAD_PLANS and train the remaining steps."""
+def _reshard(rank: int, ckpt: str, save_plan=None, load_plans=None, model: str = "gpt-tiny") -> dict:
+    """Train ``save_plan`` (SAVE_PLAN), checkpoint after 2 steps, finish; then load that
+    checkpoint under each of ``load_plans`` (LOAD_PLANS) and train the remaining steps."""
     from autoplan.runtime.trainer import Trainer, TrainOptions
 
     opts = TrainOptions(steps=RESHARD_STEPS, optimizer="adamw", lr=3e-3, eps=1e-6, seed=5)
-    base = Trainer(SAVE_PLAN, "gpt-tiny", opts, log=None)
+    base = Trainer(save_plan or SAVE_PLAN, model, opts, log=None)
     losses = [base.train_step().loss for _ in range(2)]
     base.save(ckpt)
     saved = base.parameters_full()
     losses += [base.train_step().loss for _ in range(RESHARD_STEPS - 2)]
     result: dict = {"uninterrupted": losses}
-    for name, plan in LOAD_PLANS.items():
-        t = Trainer(plan, "gpt-tiny", dataclasses.replace(opts, checkpoint_dir=ckpt), log=None)
+    for name, plan in (load_plans or LOAD_PLANS).items():
+        t = Trainer(plan, model, dataclasses.replace(opts, checkpoint_dir=ckpt), log=None)
         result[f"{name}.resumed_at"] = t.maybe_resume()
         loaded = t.parameters_full()
         result[f"{name}.params_equal"] = all(torch.equal(loaded[k], saved[k]) for k in loaded)
@@ -186,22 +186,7 @@ MOE_LOAD_PLANS = {"moe-dp2-ep1-replicate": make_plan(dp=2, m=2), "moe-tp2": make
 
 
 def _moe_reshard(rank: int, ckpt: str) -> dict:
-    from autoplan.runtime.trainer import Trainer, TrainOptions
-
-    opts = TrainOptions(steps=RESHARD_STEPS, optimizer="adamw", lr=3e-3, eps=1e-6, seed=5)
-    base = Trainer(MOE_SAVE_PLAN, "moe-tiny", opts, log=None)
-    losses = [base.train_step().loss for _ in range(2)]
-    base.save(ckpt)
-    saved = base.parameters_full()
-    losses += [base.train_step().loss for _ in range(RESHARD_STEPS - 2)]
-    result: dict = {"uninterrupted": losses}
-    for name, plan in MOE_LOAD_PLANS.items():
-        t = Trainer(plan, "moe-tiny", dataclasses.replace(opts, checkpoint_dir=ckpt), log=None)
-        result[f"{name}.resumed_at"] = t.maybe_resume()
-        loaded = t.parameters_full()
-        result[f"{name}.params_equal"] = all(torch.equal(loaded[k], saved[k]) for k in loaded)
-        result[name] = [t.train_step().loss for _ in range(RESHARD_STEPS - 2)]
-    return result
+    return _reshard(rank, ckpt, MOE_SAVE_PLAN, MOE_LOAD_PLANS, "moe-tiny")
 
 
 # --------------------------- the uninterrupted twin of the CLI's killed run (2 ranks)
