@@ -17,9 +17,13 @@ all threads of the process) and wall seconds. Prints one line per search and wri
 ``search_time.md`` (table with both versions and their ratio) and ``search_time.png``
 (log-log plot of CPU time) to ``--out`` (default ``benchmarks/results``); the raw rows go
 to ``search_time.jsonl`` as they come, so ``--report-only`` can redraw an interrupted run.
+The baseline is a fixed revision, so its rows are kept in ``search_time_baseline.jsonl``
+and reused by later runs with the same model, batch and revision (``--rerun-baseline``
+times it again; ``--baseline-only`` fills the file without timing this version).
 
     python benchmarks/search_time.py                       # full sweep, both versions
     python benchmarks/search_time.py --sizes 8,64,1024 --series homogeneous --no-baseline
+    python benchmarks/search_time.py --baseline-only --timeout 900   # the baseline's rows alone
 """
 from __future__ import annotations
 
@@ -172,6 +176,21 @@ def write_plot(rows: list[dict], path: Path, model: str, baseline: str) -> None:
     plt.close(fig)
 
 
+def _baseline_key(series: str, gpus: int, model: str, global_batch: int, revision: str) -> tuple:
+    return (series, gpus, model, global_batch, revision)
+
+
+def load_baseline_rows(path: Path) -> dict[tuple, dict]:
+    """The baseline's recorded rows by (series, GPUs, model, global batch, revision)."""
+    rows = {}
+    if path.exists():
+        for line in path.read_text().splitlines():
+            if line.strip():
+                r = json.loads(line)
+                rows[_baseline_key(r["series"], r["gpus"], r["model"], r["global_batch"], r["revision"])] = r["row"]
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--sizes", default=",".join(map(str, SIZES)), help="comma-separated GPU counts")
@@ -180,6 +199,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--global-batch", type=int, default=1536)
     p.add_argument("--baseline", default=BASELINE, help=f"git revision to compare with (default {BASELINE})")
     p.add_argument("--no-baseline", action="store_true", help="time this version only")
+    p.add_argument("--baseline-only", action="store_true",
+                   help="time the baseline alone (into search_time_baseline.jsonl), not this version")
+    p.add_argument("--rerun-baseline", action="store_true",
+                   help="time the baseline again even where search_time_baseline.jsonl has its row")
     p.add_argument("--timeout", type=float, default=1800, help="seconds one search may take before it is stopped")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     p.add_argument("--report-only", action="store_true", help="redraw the report from search_time.jsonl")
@@ -187,11 +210,16 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     raw = out / "search_time.jsonl"
+    kept = out / "search_time_baseline.jsonl"
     if not args.report_only:
         sys.path.insert(0, str(ROOT))
         sizes = [int(x) for x in args.sizes.split(",") if x]
-        base = None if args.no_baseline else checkout(args.baseline)
-        raw.write_text("")
+        recorded = {} if args.rerun_baseline else load_baseline_rows(kept)
+        base = None
+        if not args.no_baseline:
+            base = checkout(args.baseline)
+        if not args.baseline_only:
+            raw.write_text("")
         try:
             # Size by size (both series at each), in the order given: an interrupted run
             # still has the sizes asked for first.
@@ -199,18 +227,33 @@ def main(argv: list[str] | None = None) -> int:
                 for series in [s.strip() for s in args.series.split(",") if s.strip()]:
                     cluster = homogeneous(n) if series == "homogeneous" else mixed(n)
                     row = dict(series=series, gpus=n)
-                    row["now"] = time_search(ROOT, cluster, args.model, args.global_batch, args.timeout)
+                    if not args.baseline_only:
+                        row["now"] = time_search(ROOT, cluster, args.model, args.global_batch, args.timeout)
                     if base is not None:
-                        row["baseline"] = time_search(base, cluster, args.model, args.global_batch, args.timeout)
-                    with raw.open("a") as f:
-                        f.write(json.dumps(row) + "\n")
+                        key = _baseline_key(series, n, args.model, args.global_batch, args.baseline)
+                        if key not in recorded:
+                            recorded[key] = time_search(base, cluster, args.model, args.global_batch,
+                                                        args.timeout)
+                            with kept.open("a") as f:
+                                f.write(json.dumps(dict(series=series, gpus=n, model=args.model,
+                                                        global_batch=args.global_batch,
+                                                        revision=args.baseline, row=recorded[key])) + "\n")
+                        row["baseline"] = recorded[key]
                     old = row.get("baseline", {})
-                    print(f"{series:12s} {n:6d} GPUs  CPU {row['now']['cpu_s']:8.2f} s (baseline "
-                          f"{old.get('cpu_s', float('nan')):8.2f} s)  wall {row['now']['wall_s']:8.2f} s "
-                          f"(baseline {old.get('wall_s', float('nan')):8.2f} s)  {row['now']['plan'][:70]}", flush=True)
+                    new = row.get("now", {})
+                    if not args.baseline_only:
+                        with raw.open("a") as f:
+                            f.write(json.dumps(row) + "\n")
+                    print(f"{series:12s} {n:6d} GPUs  CPU {new.get('cpu_s', float('nan')):8.2f} s (baseline "
+                          f"{old.get('cpu_s', float('nan')):8.2f} s)  wall {new.get('wall_s', float('nan')):8.2f} s "
+                          f"(baseline {old.get('wall_s', float('nan')):8.2f} s)  "
+                          f"{(new or old).get('plan', '')[:70]}", flush=True)
         finally:
             if base is not None:
                 remove_checkout(base)
+        if args.baseline_only:
+            print(f"wrote {kept}")
+            return 0
     rows = sorted((json.loads(line) for line in raw.read_text().splitlines() if line.strip()),
                   key=lambda r: (r["series"], r["gpus"]))
     write_markdown(rows, out / "search_time.md", args.model, args.global_batch, args.baseline)
