@@ -80,6 +80,11 @@ class Stack:
     log-softmax = 4; a fused cross entropy keeps almost none)."""
     loss_peak_bytes_per_logit: float = 6.0
     """Bytes per logit element alive at the peak of the loss's backward, saved bytes included."""
+    sequence_parallel_keeps_gathered_inputs: bool = False
+    """Under sequence parallelism, the column-parallel linears' inputs (a block's attention
+    and MLP inputs) are kept whole: the stack gathers the sequence before the matmul and
+    autograd saves the gathered tensor. False: only the rank's sequence shard is kept and the
+    backward gathers it again (Megatron-LM, Korthikanti et al. 2022, Sec. 4.2.2)."""
     vocab_parallel_loss: bool = True
     """The loss runs on vocabulary shards (Megatron's vocab-parallel cross entropy); False:
     the logits are gathered to the full vocabulary on every tensor-parallel rank first."""

@@ -121,6 +121,11 @@ def activation_bytes(layers: Sequence[LayerSpec], recompute: str, micro_batch: i
     ``expert_load``, see ``costmodel.experts``)."""
     saved = sum(l.activation_bytes[recompute].at(tp, sequence_parallel)
                 + experts.activation_bytes(l, recompute, tp, sequence_parallel, expert_load) for l in layers)
+    if (stack is not None and stack.sequence_parallel_keeps_gathered_inputs and sequence_parallel and tp > 1
+            and recompute != "full"):
+        # The attention and MLP inputs (each the size of the block's output) are kept whole,
+        # where the measured layers keep 1/tp of them.
+        saved += sum(2 * l.output_bytes * (1 - 1 / tp) for l in layers if l.kind == "block")
     if stack is not None:
         saved = saved * stack.activation_scale + sum(
             loss_logits(l, tp, dtype, stack) for l in layers) * stack.loss_saved_bytes_per_logit

@@ -206,7 +206,49 @@ def _cli_twin(rank: int, out: str) -> dict:
     return {"losses": [t.train_step().loss for _ in range(CLI_STEPS)]}
 
 
-SCENARIOS = {2: ("reshard", "cli-twin", "moe-reshard")}
+# ------------------------ what autograd keeps per rank under tensor / sequence parallelism
+SAVED_MODELS = ("gpt-tiny", "llama-tiny")
+SAVED_BATCH = 2
+
+
+def _saved_activations(rank: int) -> dict:
+    """Bytes per sample autograd keeps for one block of each SAVED_MODELS on this rank, the
+    block tensor-parallel over the 2 ranks without and with sequence parallelism (the
+    runtime's own styles, fp32 on CPU)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from autoplan.models.presets import get_config
+    from autoplan.profiler.timing import SavedBytes
+    from autoplan.runtime.build import apply_tensor_parallel, materialize_units
+
+    def local(t):
+        return t.to_local() if hasattr(t, "to_local") else t
+
+    class Kept(SavedBytes):
+        """SavedBytes over the local shards of DTensors."""
+        def pack(self, t):
+            super().pack(local(t))
+            return t
+
+    world = dist.get_world_size()
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    out = {}
+    for name in SAVED_MODELS:
+        cfg = get_config(name)
+        for sp in (False, True):
+            block = materialize_units(cfg, [1], seed=SEED)[1]
+            apply_tensor_parallel(block, mesh, sp)
+            x = torch.randn(SAVED_BATCH, cfg.seq_len, cfg.hidden, generator=torch.Generator().manual_seed(SEED))
+            if sp:
+                x = x.chunk(world, dim=1)[rank]
+            kept = Kept([local(q) for q in block.parameters()])
+            with torch.autograd.graph.saved_tensors_hooks(kept.pack, kept.unpack):
+                block(x.requires_grad_(True))
+            out[(name, sp)] = kept.total / SAVED_BATCH
+    return out
+
+
+SCENARIOS = {2: ("reshard", "cli-twin", "moe-reshard", "saved-activations")}
 
 
 def _worker(rank: int, world: int, port: int, cases: dict, scenarios: tuple, out: str) -> None:
@@ -215,7 +257,8 @@ def _worker(rank: int, world: int, port: int, cases: dict, scenarios: tuple, out
     dist.init_process_group("gloo", rank=rank, world_size=world)
     jobs = [(n, lambda c=c: _equivalence(rank, c[0], Plan.from_dict(c[1]), *c[2:])) for n, c in cases.items()]
     jobs += [("reshard", lambda: _reshard(rank, str(Path(out) / "ckpt"))), ("cli-twin", lambda: _cli_twin(rank, out)),
-             ("moe-reshard", lambda: _moe_reshard(rank, str(Path(out) / "moe-ckpt")))]
+             ("moe-reshard", lambda: _moe_reshard(rank, str(Path(out) / "moe-ckpt"))),
+             ("saved-activations", lambda: _saved_activations(rank))]
     for name, job in jobs:
         if name not in cases and name not in scenarios:
             continue
@@ -395,3 +438,32 @@ def test_checkpoint_loads_under_another_plan(name):
         # Other reductions (fewer/more ranks) round differently; AdamW with a larger eps
         # keeps that noise from being amplified on near-zero gradients.
         assert r[name] == pytest.approx(r["uninterrupted"][2:], abs=2e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", SAVED_MODELS, ids=SAVED_MODELS)
+def test_sequence_parallel_keeps_what_the_memory_model_says(name):
+    """Under sequence parallelism the runtime gathers a block's attention and MLP inputs
+    before its column-parallel linears and autograd keeps the gathered tensors: the memory
+    model's share kept with SP over without it must match the measured one, which the
+    Megatron accounting (only the local shard kept) misses."""
+    from autoplan.models.extract import spec_from_config
+    from autoplan.models.presets import get_config
+    from autoplan.stacks import get_stack
+    from costmodel.memory import activation_bytes
+
+    per_rank = group(2)["saved-activations"]
+    assert all("error" not in r for r in per_rank), per_rank
+    measured = per_rank[0]
+    assert per_rank[1] == measured
+    block = spec_from_config(get_config(name), dtype="fp32").layers[1]
+    stack = dataclasses.replace(get_stack("autoplan"), activation_scale=1.0)
+    assert stack.sequence_parallel_keeps_gathered_inputs
+
+    def share(st):
+        return (activation_bytes([block], "none", 1, 2, True, st, "fp32")
+                / activation_bytes([block], "none", 1, 2, False, st, "fp32"))
+    kept = measured[(name, True)] / measured[(name, False)]
+    megatron = dataclasses.replace(stack, sequence_parallel_keeps_gathered_inputs=False)
+    assert share(stack) == pytest.approx(kept, rel=0.06)
+    assert share(megatron) != pytest.approx(kept, rel=0.06)
