@@ -190,7 +190,11 @@ def run(s: Scenario, log) -> dict:
     log(f"  operator-level search {op_s:.1f} s (layouts {ops.layout_s:.1f} s): {best_op.plan.describe()}")
     # The same layer-level plan on the operator view, when it is tensor-parallel-free (the
     # replicated layout is then the same plan): separates measurement from layout effects.
-    if best_layer.plan.tp == 1:
+    # from_module adds the work before and after a module's ``layers`` as units of their
+    # own, which the operator graph folds into its first and last unit: one stage spans
+    # either way, so only a single-stage plan carries over unit for unit.
+    units_differ = graph.num_units != len(spec.layers)
+    if best_layer.plan.tp == 1 and (not units_differ or best_layer.plan.pp == 1):
         from autoplan.layouts import Layouts
         from search.layouts import unit_layout
         from autoplan.models.opview import unit_strategies
@@ -200,7 +204,11 @@ def run(s: Scenario, log) -> dict:
             st = unit_strategies(g, None)
             sol = UnitSolution(gi, "R", "R", st, 0.0, {}, 0.0, 0.0, [], True)
             units.append(unit_layout(g, sol, graph.unit_indices(gi)))
-        same = dataclasses.replace(best_layer.plan, layouts=Layouts(units=tuple(units), source="manual"))
+        stages = best_layer.plan.stages
+        if units_differ:
+            stages = (dataclasses.replace(stages[0], end=graph.num_units),)
+        same = dataclasses.replace(best_layer.plan, stages=stages,
+                                   layouts=Layouts(units=tuple(units), source="manual"))
         rows.append(Row("best layer-level plan on the operator graph", "reference", same,
                         autoplan.estimate(graph, c, same)))
     # Best tensor-parallel operator plan (its layouts are the interesting figure).
