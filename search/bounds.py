@@ -76,6 +76,8 @@ class Bounds:
         self._periods: dict = {}
         self._caps: dict = {}
         self._extra: dict = {}
+        self._rank_lines: dict = {}
+        self._unit: dict = {}
 
     def summary(self, kind: Kind, b: int, sp: bool) -> KindSummary:
         key = (kind, b, sp and kind.tp > 1)
@@ -178,12 +180,18 @@ class Bounds:
         gpipe = st.schedule == "gpipe"
         # The in-flight counts stop depending on m once it reaches twice the depth.
         m = st.num_micro_batches
-        key = (sk_id, st.micro_batch, st.sequence_parallel, st.zero, m if gpipe or m < 2 * P else None,
+        # A one-kind pipeline depends on its skeleton only through the kind, the depth and
+        # the shards (which all its groups share): many skeletons share the result.
+        who = (sk.kinds[0], P, sk.shards, sk.groups[0].tp) if self._one_kind(sk_id, sk) else sk_id
+        key = (who, st.micro_batch, st.sequence_parallel, st.zero, m if gpipe or m < 2 * P else None,
                st.virtual_stages, gpipe)
         hit = self._extra.get(key)
         if hit is None:
             hit = self._extra[key] = self._recompute_extra(sk_id, sk, st, s)
         return hit
+
+    def _one_kind(self, sk_id: int, sk: Skeleton) -> bool:
+        return len(self._distinct(sk_id, sk)) == 1
 
     def _recompute_extra(self, sk_id: int, sk: Skeleton, st: Setting, s: KindSummary) -> float:
         P = sk.pp
@@ -218,6 +226,117 @@ class Bounds:
         hit = self._mixed[key] = _summarize(cost, act, params, tabs[0], min(_zb_fill(t, qs[0]) for t in tabs))
         return hit
 
+    def memory_period(self, sk: Skeleton, st: Setting) -> float:
+        """A lower bound on the busiest rank's work per micro-batch (forward + backward,
+        recomputation included) of any split of a one-kind pipeline that fits in memory
+        (0.0 for mixed pipelines: no bound; INF: no split fits).
+
+        The relaxation keeps only the model's most common unit kind (dropping units only
+        lightens every rank) and replaces each of those units by a virtual one with, per
+        recompute mode, the least cost and activation bytes and the least states of any of
+        them. Rank ``g`` holds ``n_g`` micro-batches of its activations at least (the
+        schedule's in-flight peak; for interleaved chunks, the smallest chunk count of its
+        peak vector) besides its states, within its budget ``B_g``. At a period ``tau`` it
+        can then take at most ``k_g(tau)`` virtual units, the optimum of the linear program
+        ``max sum_q y_q`` subject to ``sum_q c_q y_q <= tau`` and ``sum_q (s + n_g a_q) y_q
+        <= B_g`` (``y_q``: units in mode ``q``, fractional); the least ``tau`` at which the
+        ranks together can take every unit bounds the period of every real split, whose
+        ranks also balance work against memory but in whole units."""
+        if len(set(sk.kinds)) > 1 or sk.pp == 1:
+            return 0.0
+        P, m, v = sk.pp, st.num_micro_batches, st.virtual_stages
+        kind = sk.kinds[0]
+        sp = st.sequence_parallel and kind.tp > 1
+        # The in-flight peaks stop depending on m past a few times the depth (not GPipe's).
+        key = (kind, P, sk.shards, st.micro_batch, sp, st.zero, st.schedule,
+               m if st.schedule == "gpipe" or m < 4 * P else None, v)
+        hit = self._rank_lines.get(key)
+        if hit is None:
+            hit = self._rank_lines[key] = self._memory_period(sk, st)
+        return hit
+
+    def _memory_period(self, sk: Skeleton, st: Setting) -> float:
+        from search.inflight import inflight
+        P, kind, tables = sk.pp, sk.kinds[0], self.tables
+        cost, act, states, count = self._virtual_unit(kind, st.micro_batch, st.sequence_parallel, sk.shards, st.zero)
+        if count == 0:
+            return 0.0
+        m = st.num_micro_batches
+        if st.schedule not in ("gpipe", "1f1b") and P > 1:
+            # (Read off a program of at most 2 pp (interleaved) or pp + 2 micro-batches
+            # whatever m is past those: one program serves every longer m.)
+            m = min(m, 4 * P)
+        fl = inflight(st.schedule, P, m, st.virtual_stages)
+        n = np.array([max(min(vec) for vec in fl.peaks[g]) for g in range(P)], dtype=float)
+        budget = tables.capacity(kind.pool) - tables.fixed_bytes(kind.pool, sk.groups[0], P, sk.ep)
+        if budget <= 0:
+            return INF
+        # Ranks with one in-flight count take the same: solve each count once.
+        ns, mult = np.unique(n, return_counts=True)
+        mem = states + ns[:, None] * act[None, :]                      # (counts, modes)
+        if float((budget / mem.min(axis=1) * mult).sum()) < count:
+            return INF                     # even all in the leanest mode does not fit
+        # k_g(tau) by LP duality: the least of alpha * tau + beta * B_g over the dual's
+        # vertices, where two of alpha c_q + beta d_q >= 1, alpha >= 0, beta >= 0 are tight.
+        Q = len(cost)
+        alphas = [np.zeros(len(ns)), np.full(len(ns), 1.0 / cost.min())]
+        betas = [1.0 / mem.min(axis=1), np.zeros(len(ns))]
+        with np.errstate(divide="ignore", invalid="ignore"):
+            for q1 in range(Q):
+                for q2 in range(q1 + 1, Q):
+                    det = cost[q1] * mem[:, q2] - cost[q2] * mem[:, q1]
+                    alphas.append((mem[:, q2] - mem[:, q1]) / det)
+                    betas.append((cost[q1] - cost[q2]) / det)
+        alpha, beta = np.stack(alphas, axis=1), np.stack(betas, axis=1)   # (counts, vertices)
+        ok = (alpha >= 0) & (beta >= 0) & np.isfinite(alpha) & np.isfinite(beta)
+        ok &= ((alpha[:, :, None] * cost[None, None, :] + beta[:, :, None] * mem[:, None, :])
+               >= 1 - 1e-9).all(axis=2)
+        alpha = np.where(ok, alpha, 0.0)
+        beta = np.where(ok, beta * budget, INF)      # (a vertex left out never is the least)
+
+        def capacity(taus: np.ndarray) -> np.ndarray:
+            return ((alpha[:, :, None] * taus[None, None, :] + beta[:, :, None]).min(axis=1)
+                    * mult[:, None]).sum(axis=0)
+
+        # The least tau whose capacity reaches every unit, from below: a grid, then a finer
+        # grid inside the bracket; the bracket's lower end is the (valid) answer.
+        lo, hi = 0.0, count * float(cost.max())
+        for _ in range(64):
+            if capacity(np.array([hi]))[0] >= count:
+                break
+            lo, hi = hi, 2 * hi   # (rounding only: capacity(hi) < count says tau > hi)
+        else:
+            return lo
+        for _ in range(3):
+            taus = np.linspace(lo, hi, 65)
+            reach = np.nonzero(capacity(taus) >= count)[0]
+            i = int(reach[0])
+            if i == 0:
+                break
+            lo, hi = float(taus[i - 1]), float(taus[i])
+        return lo
+
+    def _virtual_unit(self, kind: Kind, b: int, sp: bool, shards: int, zero: int):
+        """(cost[q], memory[q] per micro-batch of activations, states, count) of the virtual
+        unit standing for the model's most common unit kind (see memory_period): costs and
+        activations per mode, and states, each the least over those units."""
+        key = (kind, b, sp and kind.tp > 1, shards, zero)
+        hit = self._unit.get(key)
+        if hit is None:
+            t = self.tables.table(kind, b, sp)
+            kinds = [l.kind for l in self.tables.model.layers]
+            common = max(set(kinds), key=lambda k: (kinds.count(k), k))
+            keep = np.array([k == common for k in kinds])
+            qs = self.qs
+            cost = np.array([float((t.forward + t.backward_input[q] + t.backward_weight)[keep].min()) for q in qs])
+            dyn = self.tables.dynamic_factor
+            act = np.array([float(t.activation[q][keep].min()) for q in qs]) * dyn
+            zp = np.diff(t.cum_zero_params)
+            st = self.tables.state_bytes(t.params, 0.0, shards, zero, zp) \
+                + dyn * self.tables.cast_bytes(t.cast_params, shards, zero)
+            hit = self._unit[key] = (cost, act, float(np.min(st[keep])), int(keep.sum()))
+        return hit
+
     def skeleton_bound(self, sk_id: int, sk: Skeleton, micro_batches: list[int],
                        sequence_parallel: tuple[bool, ...]) -> float:
         """A bound valid for every setting of the skeleton (the least of its
@@ -247,8 +366,10 @@ class Bounds:
             hit = self._mb_bound[key] = period / b * self.global_batch / sk.dp
         return hit
 
-    def time_bound(self, sk_id: int, sk: Skeleton, st: Setting) -> float:
-        """Lower bound on the closed-form time of any split (INF: nothing can fit)."""
+    def time_bound(self, sk_id: int, sk: Skeleton, st: Setting, period_floor: float = 0.0) -> float:
+        """Lower bound on the closed-form time of any split (INF: nothing can fit).
+        ``period_floor``: a lower bound on the busiest rank's work per micro-batch known
+        from elsewhere (the memory-free split's, :meth:`memory_period`)."""
         # Gradients are reduced and ZeRO shards over the data x context ranks.
         P, dp, m, v = sk.pp, sk.shards, st.num_micro_batches, st.virtual_stages
         tables = self.tables
@@ -268,7 +389,9 @@ class Bounds:
             period = (summ[0][0].work + extra) / P
         total = min(s.work for s, _ in summ) + extra
         k_units = -(-self.L // P)
-        period = max(period, min(s.smallest[k_units] for s, _ in summ))
+        period = max(period, min(s.smallest[k_units] for s, _ in summ), period_floor)
+        # Every rank's work is part of the total.
+        total = max(total, period)
         summ = [s for s, _ in summ]
         if st.zero >= 3 and dp > 1:
             # Each stage costs at least its parameter gather + gradient scatter.

@@ -123,6 +123,7 @@ class _Search:
         self.best_time = INF
         """Fast-model time of the best candidate so far."""
         self._pipelining_counts: dict = {}
+        self._ep_kinds: dict = {}
 
     # ------------------------------------------------------------ options
     def tp_options(self) -> list[int]:
@@ -143,8 +144,21 @@ class _Search:
 
     def with_ep(self, sk: Skeleton) -> list[Skeleton]:
         """The skeleton under every expert-parallel degree its data parallelism allows."""
-        return [Skeleton(groups=sk.groups, kinds=tuple(replace(k, ep=e) for k in sk.kinds))
-                for e in self.ep_options(sk.shards)]
+        out = []
+        for e in self.ep_options(sk.shards):
+            if all(k.ep == e for k in sk.kinds):
+                out.append(sk)
+                continue
+            # (One Kind object per value: keys holding kinds then compare by identity.)
+            kinds = tuple(self._kind_with_ep(k, e) for k in sk.kinds)
+            out.append(Skeleton(groups=sk.groups, kinds=kinds))
+        return out
+
+    def _kind_with_ep(self, k: Kind, e: int) -> Kind:
+        hit = self._ep_kinds.get((k, e))
+        if hit is None:
+            hit = self._ep_kinds[(k, e)] = replace(k, ep=e)
+        return hit
 
     def cp_options(self, tp: int) -> list[tuple[int, str]]:
         """(cp, exchange) pairs for replicas of tensor-parallel degree ``tp``: cp = 1, and
@@ -267,6 +281,7 @@ class _Search:
             if ng.gpus_per_node % tp:
                 continue
             for cp, comm in self.cp_options(tp):
+                kind = Kind(0, tp, cp, comm)
                 for dp in self.dp_options():
                     for pp in self.pp_options():
                         used = tp * cp * dp * pp
@@ -280,7 +295,7 @@ class _Search:
                                 g = made[(tp, cp, dp, p)] = DeviceGroup(
                                     ranks=tuple(range(p * per, (p + 1) * per)), tp=tp, cp=cp)
                             groups.append(g)
-                        out += self.with_ep(Skeleton(groups=tuple(groups), kinds=(Kind(0, tp, cp, comm),) * pp))
+                        out += self.with_ep(Skeleton(groups=tuple(groups), kinds=(kind,) * pp))
         return out
 
     def heterogeneous_skeletons(self, pstats: PlacementStats) -> list[Skeleton]:
@@ -477,6 +492,7 @@ class _Search:
         bounds_s = time.perf_counter() - t_bounds
         shortlist: list[tuple] = []   # (-time, -order, candidate): the worst on top
         examined = 0
+        time_pruned = 0   # (ZeRO stages of a candidate pruned by their own time bound)
         self.progress.phase("split", stats.candidates)
 
         def threshold() -> float:
@@ -523,15 +539,30 @@ class _Search:
                 t = time.perf_counter()
                 free = self.splitter.free_period(sk, st0, self.modes)
                 tight = max(bound, st0.num_micro_batches * free)
+                if tight < threshold():
+                    # ... and the busiest rank must also hold its in-flight activations:
+                    # its work is at least the memory-aware period of memory_period().
+                    floor = max(free, self.bounds.memory_period(sk, st0))
+                    tight = max(tight, self.bounds.time_bound(si, sk, st0, period_floor=floor))
                 bounds_s += time.perf_counter() - t
                 if tight > bound:
                     heapq.heappush(heap, (tight, cnt, 2, (si, st0, zeros, True)))
                     continue
             for zi, z in enumerate(zeros):
-                examined += 1
                 self.progress.step()
                 st = st0 if z == st0.zero else Setting(st0.micro_batch, st0.num_micro_batches, st0.schedule,
                                                        st0.virtual_stages, z, st0.sequence_parallel)
+                if st is not st0 and len(shortlist) >= keep:
+                    # The candidate's bound holds for its leanest ZeRO stage; a lower stage
+                    # holds more states, so memory may force a slower period.
+                    t = time.perf_counter()
+                    floor = max(self.splitter.free_period(sk, st, self.modes), self.bounds.memory_period(sk, st))
+                    beaten = self.bounds.time_bound(si, sk, st, period_floor=floor) >= threshold()
+                    bounds_s += time.perf_counter() - t
+                    if beaten:
+                        time_pruned += 1
+                        continue
+                examined += 1
                 if z != zeros[-1] and not self.memory_bound_ok(sk, st):
                     stats.pruned_memory_bound += 1
                     continue
@@ -564,7 +595,7 @@ class _Search:
         stats.optimality_gap = (best_time / stats.lower_bound_s - 1.0) if shortlist and stats.lower_bound_s > 0 \
             else (0.0 if shortlist else INF)
         if stats.stopped_at_time_limit:
-            stats.unexplored = stats.candidates - examined - stats.pruned_memory_bound
+            stats.unexplored = stats.candidates - examined - stats.pruned_memory_bound - time_pruned
         else:
             stats.pruned_time_bound = stats.candidates - examined - stats.pruned_memory_bound
         stats.phase_s["bounds"] = bounds_s

@@ -294,6 +294,62 @@ def test_time_bound_is_below_every_split(schedule, b, zero, memory):
     assert lower >= 0.3 * min(times), "a bound this loose would prune nothing"
 
 
+DEEP = models.transformer(layers=10, hidden=1024, heads=16, seq_len=1024, vocab=2048, name="deep-10x1024")
+"""Blocks dominate (a small vocabulary): memory_period's relaxation bites."""
+MEMORY_PERIOD_CASES = {
+    # name: (schedule, virtual stages, micro-batch, ZeRO, GiB per GPU, recompute modes, memory binds)
+    "1f1b-roomy": ("1f1b", 1, 2, 1, 40.0, ("none", "selective", "full"), False),
+    "1f1b-tight": ("1f1b", 1, 2, 0, 3.2, ("none", "selective", "full"), True),
+    "gpipe-tight": ("gpipe", 1, 1, 0, 3.5, ("none", "selective", "full"), True),
+    "zero-bubble-tight": ("zero-bubble", 1, 2, 0, 3.2, ("none", "selective", "full"), True),
+    "zero-bubble-zero3": ("zero-bubble", 1, 1, 3, 4.5, ("none", "selective", "full"), False),
+    "interleaved-tight": ("interleaved-1f1b", 2, 2, 0, 3.2, ("none", "full"), True),
+    "interleaved-roomy": ("interleaved-1f1b", 2, 1, 2, 40.0, ("none", "full"), False),
+}
+
+
+@pytest.mark.parametrize("name", MEMORY_PERIOD_CASES, ids=list(MEMORY_PERIOD_CASES))
+def test_memory_period_is_below_every_fitting_split(name):
+    """Bounds.memory_period never exceeds the busiest rank's work of a split that fits, and
+    the time bound floored by it never exceeds the split's time (every split and
+    recomputation enumerated); where memory binds, it tightens the time bound."""
+    schedule, v, b, zero, memory, modes, binds = MEMORY_PERIOD_CASES[name]
+    cluster = Cluster.from_dict({"inter_node": {"bandwidth_GBps": 10}, "node_groups": [
+        {"name": "n", "nodes": 2, "gpus_per_node": 2, "device": {
+            "name": "toy", "memory_GiB": memory, "peak_TFLOPS": {"bf16": 100}, "memory_bandwidth_GBps": 1000}}]})
+    tables = Tables(DEEP, cluster)
+    bounds_ = Bounds(tables, modes, global_batch=16)
+    sk = Skeleton(groups=tuple(DeviceGroup(ranks=(2 * g, 2 * g + 1), tp=1) for g in range(2)), kinds=(Kind(0, 1),) * 2)
+    st = Setting(b, 16 // (2 * b), schedule, v, zero, False)
+    floor = bounds_.memory_period(sk, st)
+    timed = bounds_.time_bound(0, sk, st, period_floor=floor)
+    busiest, times = [], []
+    for split in all_splits(DEEP.num_layers, 2 * v):
+        for rec in itertools.product(modes, repeat=2 * v):
+            analysis, figs = analyze(tables, sk, st, split, rec)
+            if analysis.fits:
+                busiest.append(max(sum(f.forward + f.backward for f in figs[g::2]) for g in range(2)))
+                times.append(analysis.time_s)
+    assert times, "the case must have fitting plans"
+    assert 0.0 < floor <= min(busiest) * (1 + 1e-9)
+    assert timed <= min(times) * (1 + 1e-9)
+    unfloored = bounds_.time_bound(0, sk, st)
+    assert timed > unfloored * 1.01 if binds else timed >= unfloored
+
+
+def test_memory_period_says_when_nothing_fits():
+    """Too little memory for the states and one micro-batch anywhere: INF, and no split fits."""
+    cluster = Cluster.from_dict({"node_groups": [{"name": "n", "nodes": 1, "gpus_per_node": 2, "device": {
+        "name": "toy", "memory_GiB": 1.0, "peak_TFLOPS": {"bf16": 100}, "memory_bandwidth_GBps": 1000}}]})
+    tables = Tables(GPT, cluster)
+    modes = tuple(RECOMPUTES)
+    sk = Skeleton(groups=tuple(DeviceGroup(ranks=(g,), tp=1) for g in range(2)), kinds=(Kind(0, 1),) * 2)
+    st = Setting(1, 8, "1f1b", 1, 0, False)
+    assert Bounds(tables, modes, global_batch=8).memory_period(sk, st) == float("inf")
+    assert not any(analyze(tables, sk, st, split, rec)[0].fits for split in all_splits(GPT.num_layers, 2)
+                   for rec in itertools.product(modes, repeat=2))
+
+
 # ----------------------------------------------------------------- placement
 
 def test_placement_is_deterministic_and_respects_the_cluster():
