@@ -77,6 +77,7 @@ class Bounds:
         self._caps: dict = {}
         self._extra: dict = {}
         self._rank_lines: dict = {}
+        self._count_stats: dict = {}
         self._unit: dict = {}
 
     def summary(self, kind: Kind, b: int, sp: bool) -> KindSummary:
@@ -94,18 +95,25 @@ class Bounds:
 
     def _comm_bound(self, sk_id: int, sk: Skeleton, b: int, v: int, out: float) -> float:
         P = sk.pp
-        classes = self._comm.get(sk_id)
-        if classes is None:
-            p2p = self.tables.p2p_classes
-            classes = self._comm[sk_id] = [
-                (p2p(sk.groups[g], sk.groups[(g + 1) % P]), p2p(sk.groups[(g + 1) % P], sk.groups[g]))
-                for g in range(P)]
         key = (sk_id, b)
-        pair = self._pairs.get(key)
-        if pair is None:
-            pair = self._pairs[key] = [_p2p_eval(fw, out) + _p2p_eval(bw, out) for fw, bw in classes]
+        prefix = self._pairs.get(key)
+        if prefix is None:
+            # Skeletons share their device-group objects (every depth of one mesh shape):
+            # a boundary's cost is kept per pair of group objects and message size (by
+            # identity: hashing a group hashes all its ranks).
+            prefix = [0.0]
+            for g in range(P):
+                src, dst = sk.groups[g], sk.groups[(g + 1) % P]
+                pkey = (id(src), id(dst), out)
+                hit = self._comm.get(pkey)
+                if hit is None:
+                    p2p = self.tables.p2p_classes
+                    cost = _p2p_eval(p2p(src, dst), out) + _p2p_eval(p2p(dst, src), out)
+                    hit = self._comm[pkey] = (cost, src, dst)   # (the groups kept alive: ids stay theirs)
+                prefix.append(prefix[-1] + hit[0])
+            self._pairs[key] = prefix
         full, rest = divmod(P * v - 1, P)
-        return full * sum(pair) + sum(pair[:rest])
+        return full * prefix[P] + prefix[rest]
 
     def _distinct(self, sk_id: int, sk: Skeleton) -> list[tuple[Kind, int]]:
         """The pipeline's device kinds with how many groups have each."""
@@ -172,6 +180,13 @@ class Bounds:
             self._counts[key] = counts
         return counts
 
+    def _count_sums(self, counts: list[float]) -> tuple[float, float, float]:
+        """(sum of 1/n, max n, min n) of in-flight counts (cached per counts list)."""
+        hit = self._count_stats.get(id(counts))
+        if hit is None or hit[0] is not counts:
+            hit = self._count_stats[id(counts)] = (counts, sum(1.0 / n for n in counts), max(counts), min(counts))
+        return hit[1:]
+
     def recompute_extra(self, sk_id: int, sk: Skeleton, st: Setting, s: KindSummary) -> float:
         """Least recompute time (per micro-batch, summed over stages) any split needs to
         fit; INF when no split can fit. On a mixed pipeline every unit is taken at its
@@ -196,17 +211,25 @@ class Bounds:
     def _recompute_extra(self, sk_id: int, sk: Skeleton, st: Setting, s: KindSummary) -> float:
         P = sk.pp
         counts = self._counts_of(P, st.num_micro_batches, st.virtual_stages, st.schedule)
-        caps = self._caps.get(sk_id)
-        if caps is None:
-            caps = self._caps[sk_id] = [
-                self.tables.capacity(k.pool) - self.tables.fixed_bytes(k.pool)
-                for k in sk.kinds]
-        if len(set(sk.kinds)) > 1:
+        states = None
+        if self._one_kind(sk_id, sk):
+            # Every rank has the same budget: sums over ranks are sums over the counts.
+            cap = self.tables.capacity(sk.kinds[0].pool) - self.tables.fixed_bytes(sk.kinds[0].pool)
+            inverse, most, least = self._count_sums(counts)
+            states = self.tables.state_bytes(s.params, 0.0, sk.shards, st.zero)
+            room, total = cap * inverse - states / most, cap * P
+        else:
+            caps = self._caps.get(sk_id)
+            if caps is None:
+                caps = self._caps[sk_id] = [
+                    self.tables.capacity(k.pool) - self.tables.fixed_bytes(k.pool)
+                    for k in sk.kinds]
             s = self._mixed_summary(sk_id, sk, st)
-        states = self.tables.state_bytes(s.params, 0.0, sk.shards, st.zero)
-        room = sum(c / n for c, n in zip(caps, counts)) - states / max(counts)
+            states = self.tables.state_bytes(s.params, 0.0, sk.shards, st.zero)
+            room, total, least = sum(c / n for c, n in zip(caps, counts)) - states / max(counts), sum(caps), \
+                min(counts)
         # Also: the states alone, and the average rank, must fit.
-        if room < s.act_lean or states > sum(caps) or states + min(counts) * s.act_lean > sum(caps):
+        if room < s.act_lean or states > total or states + least * s.act_lean > total:
             return INF
         need = float(np.max(s.dual - s.lam * room))
         return max(0.0, need - s.work)
@@ -262,12 +285,12 @@ class Bounds:
         if count == 0:
             return 0.0
         m = st.num_micro_batches
-        if st.schedule not in ("gpipe", "1f1b") and P > 1:
-            # (Read off a program of at most 2 pp (interleaved) or pp + 2 micro-batches
-            # whatever m is past those: one program serves every longer m.)
-            m = min(m, 4 * P)
-        fl = inflight(st.schedule, P, m, st.virtual_stages)
-        n = np.array([max(min(vec) for vec in fl.peaks[g]) for g in range(P)], dtype=float)
+        if st.virtual_stages == 1:
+            # Zero-bubble holds at least 1F1B's micro-batches (it frees them later).
+            n = np.array([m if st.schedule == "gpipe" else min(P - g, m) for g in range(P)], dtype=float)
+        else:
+            fl = inflight(st.schedule, P, m, st.virtual_stages)
+            n = np.array([max(min(vec) for vec in fl.peaks[g]) for g in range(P)], dtype=float)
         budget = tables.capacity(kind.pool) - tables.fixed_bytes(kind.pool, sk.groups[0], P, sk.ep)
         if budget <= 0:
             return INF

@@ -64,8 +64,13 @@ def inflight(schedule: str, pp: int, num_micro_batches: int, virtual_stages: int
     # Interleaved and zero-bubble: read the peaks off the program itself, on a shorter
     # program with the same warm-up and cool-down (the counts are flat beyond it; the
     # tests check this against long programs): zero-bubble's warm-up is pp deep, and
-    # interleaving needs m to stay a multiple of pp.
+    # interleaving needs m to stay a multiple of pp. Every longer m shares that program.
     m_short = min(m, 2 * pp) if schedule == "interleaved-1f1b" else min(m, pp + 2)
+    return _from_program(schedule, pp, m_short, v)
+
+
+@lru_cache(maxsize=4096)
+def _from_program(schedule: str, pp: int, m_short: int, v: int) -> Inflight:
     groups = tuple(DeviceGroup(ranks=(g,), tp=1) for g in range(pp))
     stages = tuple(Stage(start=j, end=j + 1, group=j % pp) for j in range(pp * v))
     plan = Plan(groups=groups, stages=stages, micro_batch=1, num_micro_batches=m_short,

@@ -402,46 +402,51 @@ class Tables:
         ``p2p_time``, which takes the slowest of the replica-to-replica pair transfers.
         A pair's time depends only on (share, same node, node groups), so each such class
         is timed once with ``p2p_time`` on one representative pair."""
-        key = (src, dst, nbytes)
+        # (Keyed by the groups' identities, kept alive with the entry: hashing a group
+        # hashes all its ranks.)
+        key = (id(src), id(dst), nbytes)
         hit = self._p2p.get(key)
         if hit is None:
-            slots = self.cluster.slots
-            classes: dict[tuple, tuple[int, int, float]] = {}
-            for s_ranks, d_ranks in zip(src.tp_groups(), dst.tp_groups()):
-                width = min(len(s_ranks), len(d_ranks))
-                share = nbytes / width
-                for a, b in zip(s_ranks[:width], d_ranks[:width]):
-                    if a == b:
-                        continue
-                    sa, sb = slots[a], slots[b]
-                    classes.setdefault((share, sa.node == sb.node, sa.group, sb.group), (a, b, share))
-            hit = max((p2p_time(self.cluster, [(a,)], [(b,)], share) for a, b, share in classes.values()),
+            share = nbytes / min(src.tp, dst.tp)
+            hit = max((p2p_time(self.cluster, [(a,)], [(b,)], share) for a, b in self._pair_classes(src, dst)),
                       default=0.0) if nbytes > 0 else 0.0
-            self._p2p[key] = hit
-        return hit
+            self._p2p[key] = (hit, src, dst)
+            return hit
+        return hit[0]
+
+    def _pair_classes(self, src: DeviceGroup, dst: DeviceGroup) -> list[tuple[int, int]]:
+        """One representative (src rank, dst rank) pair per class (same node, node groups)
+        of a transfer from ``src`` to ``dst``, the first in order: replica i of src sends
+        to replica i of dst, tensor shard t to shard t, as many as both have (all pairs at
+        once: groups may hold thousands of ranks)."""
+        k = min(src.dp * src.cp, dst.dp * dst.cp)
+        width = min(src.tp, dst.tp)
+        a = np.asarray(src.ranks).reshape(-1, src.tp)[:k, :width].ravel()
+        b = np.asarray(dst.ranks).reshape(-1, dst.tp)[:k, :width].ravel()
+        moving = a != b
+        a, b = a[moving], b[moving]
+        pools = len(self.cluster.groups)
+        code = ((self._node_of[a] == self._node_of[b]) * pools + self._pool_of[a]) * pools + self._pool_of[b]
+        _, first = np.unique(code, return_index=True)
+        return [(int(a[i]), int(b[i])) for i in np.sort(first).tolist()]
 
     def p2p_classes(self, src: DeviceGroup, dst: DeviceGroup) -> tuple[tuple[float, float, int], ...]:
         """(latency, seconds per byte, width) of every distinct pair class of a transfer
         from ``src`` to ``dst``: p2p_time(n) = max over classes of latency + n / width *
         seconds per byte (read off p2p_time itself at two sizes)."""
-        key = (src, dst)
+        key = (id(src), id(dst))
         hit = self._p2p_classes.get(key)
-        if hit is None:
-            slots = self.cluster.slots
-            reps: dict[tuple, tuple[int, int, int]] = {}
-            for s_ranks, d_ranks in zip(src.tp_groups(), dst.tp_groups()):
-                width = min(len(s_ranks), len(d_ranks))
-                for a, b in zip(s_ranks[:width], d_ranks[:width]):
-                    if a != b:
-                        sa, sb = slots[a], slots[b]
-                        reps.setdefault((width, sa.node == sb.node, sa.group, sb.group), (a, b, width))
-            out = []
-            for a, b, width in reps.values():
-                t1 = p2p_time(self.cluster, [(a,)], [(b,)], PROBE)
-                t2 = p2p_time(self.cluster, [(a,)], [(b,)], 2 * PROBE)
-                rate = (t2 - t1) / PROBE
-                out.append((t1 - rate * PROBE, rate, width))
-            hit = self._p2p_classes[key] = tuple(out)
+        if hit is not None:
+            return hit[0]
+        width = min(src.tp, dst.tp)
+        out = []
+        for a, b in self._pair_classes(src, dst):
+            t1 = p2p_time(self.cluster, [(a,)], [(b,)], PROBE)
+            t2 = p2p_time(self.cluster, [(a,)], [(b,)], 2 * PROBE)
+            rate = (t2 - t1) / PROBE
+            out.append((t1 - rate * PROBE, rate, width))
+        hit = tuple(out)
+        self._p2p_classes[key] = (hit, src, dst)   # (the groups kept alive: ids stay theirs)
         return hit
 
     def optimizer_rate(self, pool: int) -> float:
