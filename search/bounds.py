@@ -78,6 +78,7 @@ class Bounds:
         self._extra: dict = {}
         self._rank_lines: dict = {}
         self._count_stats: dict = {}
+        self._lines: dict = {}
         self._unit: dict = {}
 
     def summary(self, kind: Kind, b: int, sp: bool) -> KindSummary:
@@ -231,7 +232,10 @@ class Bounds:
         # Also: the states alone, and the average rank, must fit.
         if room < s.act_lean or states > total or states + least * s.act_lean > total:
             return INF
-        need = float(np.max(s.dual - s.lam * room))
+        lines = self._lines.get(id(s))
+        if lines is None or lines[0] is not s:
+            lines = self._lines[id(s)] = (s, list(zip(s.dual.tolist(), s.lam.tolist())))
+        need = max(d - lam * room for d, lam in lines[1])   # (a dozen lines: no numpy call)
         return max(0.0, need - s.work)
 
     def _mixed_summary(self, sk_id: int, sk: Skeleton, st: Setting) -> KindSummary:

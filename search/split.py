@@ -518,11 +518,13 @@ class Splitter:
 def _minmax(costs: np.ndarray, start: np.ndarray, valid: np.ndarray, L: int) -> float | None:
     """Smallest achievable max_j cost_j over contiguous splits of L units into len(costs)
     non-empty stages (costs[j, e, d-1]: stage j ending at e with d units)."""
-    best = np.full(L + 1, INF)
+    # best[L + 1] stays INF: stages that would start before unit 0 read it (one gather
+    # per stage instead of a gather and a select).
+    gather = np.where(valid, start, L + 1)
+    best = np.full(L + 2, INF)
     best[0] = 0.0
     for c in costs:
-        prev = np.where(valid, best[start], INF)
-        best = np.maximum(prev, c).min(axis=1)
+        best[:L + 1] = np.maximum(best[gather], c).min(axis=1)
     return float(best[L]) if np.isfinite(best[L]) else None
 
 
@@ -539,16 +541,15 @@ def _minsum(costs: np.ndarray, start: np.ndarray, valid: np.ndarray, L: int,
         return None
     K = int(usable[-1]) + 1
     costs = np.where(within[:, :, :K], costs[:, :, :K], INF)
-    start, valid = start[:, :K], valid[:, :K]
-    best = np.full(L + 1, INF)
+    gather = np.where(valid[:, :K], start[:, :K], L + 1)   # (see _minmax)
+    best = np.full(L + 2, INF)
     best[0] = 0.0
     back = []
     rows = np.arange(L + 1)
     for c in costs:
-        prev = np.where(valid, best[start], INF)
-        tot = prev + c
+        tot = best[gather] + c
         arg = tot.argmin(axis=1)
-        best = tot[rows, arg]
+        best[:L + 1] = tot[rows, arg]
         back.append(arg)
     if not np.isfinite(best[L]):
         return None
