@@ -79,6 +79,7 @@ class Bounds:
         self._rank_lines: dict = {}
         self._count_stats: dict = {}
         self._lines: dict = {}
+        self._chains: dict = {}
         self._unit: dict = {}
 
     def summary(self, kind: Kind, b: int, sp: bool) -> KindSummary:
@@ -97,24 +98,52 @@ class Bounds:
     def _comm_bound(self, sk_id: int, sk: Skeleton, b: int, v: int, out: float) -> float:
         P = sk.pp
         key = (sk_id, b)
-        prefix = self._pairs.get(key)
-        if prefix is None:
-            # Skeletons share their device-group objects (every depth of one mesh shape):
-            # a boundary's cost is kept per pair of group objects and message size (by
-            # identity: hashing a group hashes all its ranks).
-            prefix = [0.0]
-            for g in range(P):
-                src, dst = sk.groups[g], sk.groups[(g + 1) % P]
-                pkey = (id(src), id(dst), out)
-                hit = self._comm.get(pkey)
-                if hit is None:
-                    p2p = self.tables.p2p_classes
-                    cost = _p2p_eval(p2p(src, dst), out) + _p2p_eval(p2p(dst, src), out)
-                    hit = self._comm[pkey] = (cost, src, dst)   # (the groups kept alive: ids stay theirs)
-                prefix.append(prefix[-1] + hit[0])
-            self._pairs[key] = prefix
+        hit = self._pairs.get(key)
+        if hit is None:
+            hit = self._pairs[key] = self._comm_prefix(sk, out)
+        prefix, wrap = hit
         full, rest = divmod(P * v - 1, P)
-        return full * prefix[P] + prefix[rest]
+        return full * (prefix[P - 1] + wrap) + prefix[rest]
+
+    def _comm_prefix(self, sk: Skeleton, out: float) -> tuple[list[float], float]:
+        """(prefix, wrap): prefix[g] = summed cost of the boundaries (0, 1) .. (g - 1, g),
+        both ways, for a micro-batch of ``out`` bytes (at least P entries); wrap = the
+        boundary from the last group back to the first (interleaved chunks cross it)."""
+        P = sk.pp
+        first = sk.groups[0]
+        # Skeletons share their device-group objects (every depth of one mesh shape starts
+        # with the same groups): the consecutive boundaries' prefix sums are kept per first
+        # group and message size, and grown as deeper pipelines ask (by identity: hashing
+        # a group hashes all its ranks).
+        ckey = (id(first), out)
+        chain = self._chains.get(ckey)
+        if chain is None or chain[0][0] is not first:
+            chain = self._chains[ckey] = ([first], [0.0])
+        groups, prefix = chain
+        for g in range(1, P):
+            if g < len(groups):
+                if groups[g] is not sk.groups[g]:
+                    break
+                continue
+            groups.append(sk.groups[g])
+            prefix.append(prefix[-1] + self._boundary(groups[g - 1], groups[g], out))
+        else:
+            return prefix, self._boundary(sk.groups[P - 1], first, out)
+        # Another pipeline from the same first group: its own prefix sums.
+        own = [0.0]
+        for g in range(1, P):
+            own.append(own[-1] + self._boundary(sk.groups[g - 1], sk.groups[g], out))
+        return own, self._boundary(sk.groups[P - 1], first, out)
+
+    def _boundary(self, src, dst, out: float) -> float:
+        """One micro-batch across the boundary src -> dst and its gradient back."""
+        pkey = (id(src), id(dst), out)
+        hit = self._comm.get(pkey)
+        if hit is None:
+            p2p = self.tables.p2p_classes
+            cost = _p2p_eval(p2p(src, dst), out) + _p2p_eval(p2p(dst, src), out)
+            hit = self._comm[pkey] = (cost, src, dst)   # (the groups kept alive: ids stay theirs)
+        return hit[0]
 
     def _distinct(self, sk_id: int, sk: Skeleton) -> list[tuple[Kind, int]]:
         """The pipeline's device kinds with how many groups have each."""

@@ -539,11 +539,6 @@ class _Search:
                 t = time.perf_counter()
                 free = self.splitter.free_period(sk, st0, self.modes)
                 tight = max(bound, st0.num_micro_batches * free)
-                if tight < threshold():
-                    # ... and the busiest rank must also hold its in-flight activations:
-                    # its work is at least the memory-aware period of memory_period().
-                    floor = max(free, self.bounds.memory_period(sk, st0))
-                    tight = max(tight, self.bounds.time_bound(si, sk, st0, period_floor=floor))
                 bounds_s += time.perf_counter() - t
                 if tight > bound:
                     heapq.heappush(heap, (tight, cnt, 2, (si, st0, zeros, True)))
@@ -552,9 +547,11 @@ class _Search:
                 self.progress.step()
                 st = st0 if z == st0.zero else Setting(st0.micro_batch, st0.num_micro_batches, st0.schedule,
                                                        st0.virtual_stages, z, st0.sequence_parallel)
-                if st is not st0 and len(shortlist) >= keep:
-                    # The candidate's bound holds for its leanest ZeRO stage; a lower stage
-                    # holds more states, so memory may force a slower period.
+                if len(shortlist) >= keep:
+                    # Just before the split, the bound of this very ZeRO stage with the
+                    # busiest rank's memory-aware period (Bounds.memory_period): a candidate
+                    # it rules out is dropped, never reordered (the DP's period limit
+                    # follows the shortlist, so the examination order is kept as it was).
                     t = time.perf_counter()
                     floor = max(self.splitter.free_period(sk, st, self.modes), self.bounds.memory_period(sk, st))
                     beaten = self.bounds.time_bound(si, sk, st, period_floor=floor) >= threshold()

@@ -13,6 +13,7 @@ Only a shortlist ranked by this is handed to the full ``costmodel.estimate``.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from functools import cached_property
 from typing import Sequence
 
 from autoplan.models.spec import ModelSpec
@@ -30,11 +31,12 @@ class Skeleton:
     kinds: tuple[Kind, ...]
     """Node group and tensor-parallel degree of each device group."""
 
-    @property
+    # (Cached: the bounds read these for every candidate, and a group computes its dp.)
+    @cached_property
     def pp(self) -> int:
         return len(self.groups)
 
-    @property
+    @cached_property
     def dp(self) -> int:
         return self.groups[0].dp
 
@@ -46,7 +48,7 @@ class Skeleton:
     def cp(self) -> int:
         return self.groups[0].cp
 
-    @property
+    @cached_property
     def shards(self) -> int:
         """Ranks over which gradients are reduced and ZeRO shards: data x context."""
         return self.dp * self.cp
