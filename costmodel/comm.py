@@ -93,6 +93,10 @@ def p2p_time(cluster: Cluster, src: Sequence[Sequence[int]], dst: Sequence[Seque
     if nbytes <= 0:
         return 0.0
     worst = 0.0
+    # A pair's time depends only on its link class and the two devices: (same node, node
+    # group of each end) and the share. Large groups repeat a few classes thousands of times.
+    slots = cluster.slots
+    seen: set = set()
     for s_ranks, d_ranks in zip(src, dst):
         width = min(len(s_ranks), len(d_ranks))
         share = nbytes / width
@@ -100,6 +104,11 @@ def p2p_time(cluster: Cluster, src: Sequence[Sequence[int]], dst: Sequence[Seque
             a, b = s_ranks[i], d_ranks[i]
             if a == b:
                 continue
+            sa, sb = slots[a], slots[b]
+            key = (sa.node == sb.node, sa.group, sb.group, width)
+            if key in seen:
+                continue
+            seen.add(key)
             link = cluster.link(a, b)
             eff = _net_eff(cluster, (a, b))
             worst = max(worst, link.latency + share / (link.bandwidth * eff))

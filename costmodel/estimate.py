@@ -289,7 +289,7 @@ def stage_costs(model: ModelSpec, cluster: Cluster, plan: Plan, options: Estimat
         bwd += tp_b + ep_b
         # The context-parallel exchange around attention is on the critical path too, and is
         # repeated when the attention is recomputed (selective or full).
-        cp_f, cp_b, _ = stage_exchange(cluster, group.cp_groups(), plan.cp_comm, model, layers,
+        cp_f, cp_b, _ = stage_exchange(cluster, group.cp_groups() if cp > 1 else [], plan.cp_comm, model, layers,
                                        _group_devices(cluster, group.ranks), b, tp, dtype, DTYPE_BYTES[dtype],
                                        stack.overlap_cp_exchange, stack.attention)
         cp_b += cp_f if stage.recompute != "none" else 0.0
@@ -371,10 +371,13 @@ def _transient(model: ModelSpec, cluster: Cluster, plan: Plan, s: int, stack: St
     context-parallel exchange's buffers of the layer that holds them."""
     stage, group = plan.stages[s], plan.groups[plan.stages[s].group]
     devices = _group_devices(cluster, group.ranks)
+    # Without context parallelism nothing is exchanged (and listing a large group's
+    # singleton sequence groups per layer would dominate the estimate).
+    cp_groups = group.cp_groups() if plan.cp > 1 else []
     worst = 0.0
     for layer in model.layers[stage.start:stage.end]:
         part = context_shard(layer, plan.cp)
-        buffers = stage_exchange(cluster, group.cp_groups(), plan.cp_comm, model, [part], devices,
+        buffers = stage_exchange(cluster, cp_groups, plan.cp_comm, model, [part], devices,
                                  plan.micro_batch, group.tp, plan.dtype, DTYPE_BYTES[plan.dtype])[2]
         worst = max(worst, transient_bytes([part], stage.recompute, plan.micro_batch, group.tp,
                                            plan.sequence_parallel, stack, plan.dtype, plan.ep, load) + buffers)
