@@ -21,6 +21,8 @@ _FACTOR = {"all_reduce": 2.0, "all_gather": 1.0, "reduce_scatter": 1.0, "all_to_
 
 
 def _net_eff(cluster: Cluster, ranks: Sequence[int]) -> float:
+    if len(cluster.groups) == 1:   # one device type: no need to visit every rank
+        return default_efficiency(cluster.groups[0].device.name).network
     return min(default_efficiency(cluster.slots[r].device.name).network for r in ranks)
 
 

@@ -165,6 +165,8 @@ class Estimate:
 
 
 def _group_devices(cluster: Cluster, ranks) -> list:
+    if len(cluster.groups) == 1:   # one device type: no need to visit every rank
+        return [cluster.groups[0].device]
     seen = {}
     for r in ranks:
         d = cluster.slots[r].device
