@@ -125,6 +125,24 @@ class Splitter:
         self._mem[key] = (base, act)
         return base, act
 
+    def _step_mats(self, sk: Skeleton, g: int, st: Setting) -> np.ndarray:
+        """floor[q, s, e]: bytes of units [s, e) on one GPU of group g during the optimizer
+        step (states plus the step's temporaries, with fragmentation), whatever the in-flight
+        count: a rank's peak is the larger of this and the compute phase's
+        ``base + inflight * act`` (``Tables.memory_total``)."""
+        group, kind = sk.groups[g], sk.kinds[g]
+        key = ("step", kind, st.micro_batch, st.sequence_parallel and kind.tp > 1, group.dp * group.cp, st.zero)
+        hit = self._mem.get(key)
+        if hit is None:
+            t = self.tables.table(kind, st.micro_batch, st.sequence_parallel)
+            shards = group.dp * group.cp
+            params = t.cum_params[None, :] - t.cum_params[:, None]
+            sharded = t.cum_zero_params[None, :] - t.cum_zero_params[:, None]
+            floor = self.tables.state_bytes(params, t.max_params, shards, st.zero, sharded) \
+                + self.tables.dynamic_factor * self.tables.step_bytes(params, shards, st.zero, sharded)
+            hit = self._mem[key] = np.broadcast_to(floor, (len(RECOMPUTES),) + floor.shape)
+        return hit
+
     def _index(self, K: int) -> tuple[np.ndarray, np.ndarray]:
         """(start[e, d], valid[e, d]) for the band of stages ending at e with length d+1."""
         hit = self._band.get(K)
@@ -242,6 +260,8 @@ class Splitter:
             if v == 1:
                 budget = cap
                 base, act = self._mem_mats(sk, g, st)
+                if self._step_mats(sk, g, st)[q][a, e] > budget:
+                    return False
             else:
                 budget = (cap - self.tables.dynamic_factor * self._transient_reserve(sk, g, st, qs)) \
                     * shares[g][chunk]
@@ -310,18 +330,18 @@ class Splitter:
         for g in range(P):
             time_m = time_ms[g]
             if unlimited:
-                per_group.append((time_m, None, None, 0.0))
+                per_group.append((time_m, None, None, None, 0.0))
                 continue
             pool = sk.kinds[g].pool
             cap = self.tables.capacity(pool) - self.tables.fixed_bytes(pool, sk.groups[g], P, sk.ep)
             if v == 1:
                 base, act = self._mem_mats(sk, g, st)
-                per_group.append((time_m, base, act, cap))
+                per_group.append((time_m, base, act, self._step_mats(sk, g, st), cap))
             else:
                 # A group's chunks share its memory, but its transient peak happens once:
                 # set aside the largest transient the group can see, split the rest.
                 base, act = self._states_mats(sk, g, st)
-                per_group.append((time_m, base, act, cap - self.tables.dynamic_factor
+                per_group.append((time_m, base, act, None, cap - self.tables.dynamic_factor
                                   * self._transient_reserve(sk, g, st, qs)))
         # Stages on groups with the same matrices are costed together: cost[e, d] (inf
         # where it does not fit) and the recompute mode chosen, for every stage at once;
@@ -329,17 +349,17 @@ class Splitter:
         alike: dict = {}
         for j in range(S):
             g, chunk = j % P, j // P
-            time_m, base, act, room = per_group[g]
+            time_m, base, act, floor, room = per_group[g]
             if unlimited:
-                alike.setdefault((id(time_m),), (time_m, None, None, {}))[3].setdefault(None, []).append(j)
+                alike.setdefault((id(time_m),), (time_m, None, None, None, {}))[4].setdefault(None, []).append(j)
                 continue
             budget = room if v == 1 else room * shares[g][chunk]
-            entry = alike.setdefault((id(time_m), id(base), id(act)), (time_m, base, act, {}))
-            entry[3].setdefault((counts[g][chunk], budget), []).append(j)
+            entry = alike.setdefault((id(time_m), id(base), id(act), id(floor)), (time_m, base, act, floor, {}))
+            entry[4].setdefault((counts[g][chunk], budget), []).append(j)
         costs = np.empty((S, L + 1, K))
         choices = np.empty((S, L + 1, K), dtype=np.int8)
         limited = np.isfinite(period_limit)
-        for time_m, base, act, rows in alike.values():
+        for time_m, base, act, floor, rows in alike.values():
             t_band = band(time_m, INF)                           # (modes, L + 1, K)
             if unlimited:
                 js = rows[None]
@@ -350,6 +370,7 @@ class Splitter:
             n = np.array([k[0] for k in keys], dtype=float)[:, None, None]
             cap_j = np.array([k[1] for k in keys])[:, None, None]
             base_b, act_b = band(base, 0.0), band(act, 0.0)
+            floor_b = band(floor, 0.0) if floor is not None else None
             # (Where a test holds for a whole row or the whole band, it is settled once
             # on the row or the band instead of on every element.)
             no_room = [r for r, k in enumerate(keys) if not k[1] > 0]
@@ -357,6 +378,9 @@ class Splitter:
             best = choice = None
             for i, q in enumerate(qs):
                 need = base_b[i][None] + n * act_b[i][None]
+                if floor_b is not None:
+                    # The optimizer step's temporaries can outgrow the compute phase's.
+                    need = np.maximum(need, floor_b[i][None])
                 t_i = t_band[i]
                 if limited:
                     t_i = np.where(t_i <= period_limit, t_i, INF)
