@@ -24,6 +24,8 @@ import itertools
 import time
 from dataclasses import replace
 
+import numpy as np
+
 from autoplan.cluster import Cluster
 from autoplan.errors import ConfigError, NoPlanFitsError
 from autoplan.limits import MAX_GLOBAL_BATCH, MAX_MICRO_BATCHES, MAX_SCHEDULE_SLOTS
@@ -38,8 +40,9 @@ from search.placement import PlacementStats, allocate, place, pool_kinds
 from search.progress import Progress
 from search.result import RankedPlan, SearchResult, SearchStats
 from search.space import Constraints, divisors
+from search.inflight import inflight
 from search.split import INF, Split, Splitter
-from search.tables import Kind, Tables
+from search.tables import RECOMPUTES, Kind, Tables
 
 
 def search(model: ModelSpec, cluster: Cluster, global_batch: int, **constraints) -> SearchResult:
@@ -124,6 +127,7 @@ class _Search:
         """Fast-model time of the best candidate so far."""
         self._pipelining_counts: dict = {}
         self._ep_kinds: dict = {}
+        self._least_runs: dict = {}
 
     # ------------------------------------------------------------ options
     def tp_options(self) -> list[int]:
@@ -384,7 +388,7 @@ class _Search:
     # ------------------------------------------------------------- bounds
     def memory_bound_ok(self, sk: Skeleton, st: Setting) -> bool:
         """False when even a perfect spread of states and activations cannot fit (one
-        device kind only; mixed pipelines are sized by the placement model)."""
+        device kind only; mixed pipelines are judged by runs_cover() before this)."""
         if len(set(sk.kinds)) != 1:
             return True
         kind = sk.kinds[0]
@@ -402,6 +406,80 @@ class _Search:
             need = states / P
         cap = self.tables.capacity(kind.pool)
         return self.tables.fixed_bytes(kind.pool) + need <= cap
+
+    def runs_cover(self, sk: Skeleton, st: Setting) -> bool:
+        """Whether the groups of ``sk`` could hold the whole model under ``st`` (a
+        necessary condition for any split to fit, from the DP's own per-stage memory).
+
+        One chunk per group: stage g must fit group g's memory at its in-flight count in
+        the leanest recompute mode allowed, and a run fits wherever a longer run holding
+        it fits; so taking the longest run that fits from where the previous stage ended,
+        group after group, reaches at least as far as any split that fits. Interleaved
+        groups hold several runs: there only the bytes that add up unit by unit (states,
+        weight casts, the optimizer step's temporaries) are counted, for the units that
+        need the least."""
+        P, v = sk.pp, st.virtual_stages
+        if v == 1:
+            counts = inflight(st.schedule, P, st.num_micro_batches, 1).per_chunk
+            reach = 0
+            for g in range(P):
+                pool = sk.kinds[g].pool
+                room = self.tables.capacity(pool) - self.tables.fixed_bytes(pool, sk.groups[g], P, sk.ep)
+                need = self._stage_need(sk, g, st, counts[g][0])
+                # need[reach, reach + 1:] grows with the run's end: count the ends that fit.
+                reach += int(np.searchsorted(need[reach, reach + 1:], room, side="right"))
+                if reach >= self.L:
+                    return True
+            return False
+        fl = inflight(st.schedule, P, st.num_micro_batches, v)
+        units = 0
+        for g in range(P):
+            pool = sk.kinds[g].pool
+            room = self.tables.capacity(pool) - self.tables.fixed_bytes(pool, sk.groups[g], P, sk.ep)
+            # At its peak the group holds at least this many micro-batches of every chunk.
+            held = max(min(vec) for vec in fl.peaks[g])
+            units += int(np.searchsorted(self._least_units_bytes(sk, g, st, held), room, side="right"))
+            if units >= self.L:
+                return True
+        return False
+
+    def _stage_need(self, sk: Skeleton, g: int, st: Setting, count: int) -> np.ndarray:
+        """need[s, e]: bytes per GPU of stage [s, e) on group g of ``sk`` holding ``count``
+        micro-batches in flight, in the leanest recompute mode allowed (the DP's memory)."""
+        base, act = self.splitter._mem_mats(sk, g, st)
+        floor = self.splitter._step_mats(sk, g, st)
+        key = (id(base), id(act), id(floor), count)
+        hit = self._least_runs.get(key)
+        if hit is None or hit[0] is not base:
+            qs = [RECOMPUTES.index(m) for m in self.modes]
+            need = np.maximum(base[qs] + count * act[qs], floor[qs]).min(axis=0)
+            # (Monotone in the end by construction; the running maximum only guards the
+            # search below against rounding.)
+            hit = self._least_runs[key] = (base, np.maximum.accumulate(need, axis=1))
+        return hit[1]
+
+    def _least_units_bytes(self, sk: Skeleton, g: int, st: Setting, held: int) -> np.ndarray:
+        """least[d]: a lower bound on the bytes per GPU of any d + 1 units (consecutive or
+        not) on group g of ``sk`` holding at least ``held`` micro-batches of each: the parts
+        of its memory that add up unit by unit (states, weight casts, activations; or
+        states and the optimizer step's temporaries), smallest units first, plus the least
+        transient any unit has."""
+        group, kind = sk.groups[g], sk.kinds[g]
+        shards = group.dp * group.cp
+        key = ("units", kind, st.micro_batch, st.sequence_parallel and kind.tp > 1, shards, st.zero, held)
+        hit = self._least_runs.get(key)
+        if hit is None:
+            t, tb = self.tables.table(kind, st.micro_batch, st.sequence_parallel), self.tables
+            qs = [RECOMPUTES.index(m) for m in self.modes]
+            dyn = tb.dynamic_factor
+            params, sharded, cast = (np.diff(x) for x in (t.cum_params, t.cum_zero_params, t.cum_cast_params))
+            act = np.diff(t.cum_activation[qs], axis=1).min(axis=0)
+            states = tb.state_bytes(params, 0.0, shards, st.zero, sharded)
+            compute = np.cumsum(np.sort(states + dyn * (tb.cast_bytes(cast, shards, st.zero) + held * act))) \
+                + dyn * float(t.transient[qs].min())
+            step = np.cumsum(np.sort(states + dyn * tb.step_bytes(params, shards, st.zero, sharded)))
+            hit = self._least_runs[key] = np.maximum(compute, step)
+        return hit
 
     # ---------------------------------------------------------------- run
     def run(self) -> SearchResult:
@@ -532,6 +610,20 @@ class _Search:
                 continue
             si, st0, zeros, tightened = payload
             sk = skeletons[si]
+            if not tightened and len(set(sk.kinds)) > 1:
+                # Before any DP on a mixed pipeline: drop the ZeRO stages under which its
+                # groups cannot hold the model.
+                # (Dropped stages leave a None, so the others keep their tie-breaking order.)
+                covered = tuple(z if z is not None and self.runs_cover(sk, _with_zero(st0, z)) else None
+                                for z in zeros)
+                dropped = sum(z is None for z in covered)
+                if dropped:
+                    stats.pruned_memory_bound += dropped
+                    self.progress.step(dropped)
+                    if dropped == len(zeros):
+                        continue
+                    zeros = covered
+                    st0 = _with_zero(st0, [z for z in zeros if z is not None][-1])
             if not tightened:
                 # Before any memory-aware work: every rank runs its m micro-batches one
                 # after another, and some rank holds a stage at least as slow as the least
@@ -543,7 +635,10 @@ class _Search:
                 if tight > bound:
                     heapq.heappush(heap, (tight, cnt, 2, (si, st0, zeros, True)))
                     continue
+            last = [z for z in zeros if z is not None][-1]
             for zi, z in enumerate(zeros):
+                if z is None:
+                    continue
                 self.progress.step()
                 st = st0 if z == st0.zero else Setting(st0.micro_batch, st0.num_micro_batches, st0.schedule,
                                                        st0.virtual_stages, z, st0.sequence_parallel)
@@ -560,7 +655,7 @@ class _Search:
                         time_pruned += 1
                         continue
                 examined += 1
-                if z != zeros[-1] and not self.memory_bound_ok(sk, st):
+                if z != last and not self.memory_bound_ok(sk, st):
                     stats.pruned_memory_bound += 1
                     continue
                 # No stage may be slower than what could still beat the shortlist.
@@ -859,6 +954,11 @@ class _Search:
                          "(search --for autoplan searches them all).")
         lines.append("To make one fit, try " + ", or ".join(fixes) + ".")
         return " ".join(lines)
+
+
+def _with_zero(st: Setting, zero: int) -> Setting:
+    return st if st.zero == zero else Setting(st.micro_batch, st.num_micro_batches, st.schedule, st.virtual_stages,
+                                              zero, st.sequence_parallel)
 
 
 def _count_sequences(runs: list[list], longest: int) -> int:

@@ -391,6 +391,40 @@ def test_placement_can_be_forced_to_use_every_gpu():
     assert found and all(sk.num_gpus == cluster.num_gpus for sk in found)
 
 
+def _toy_mixed(big_GiB: float, small_GiB: float) -> Cluster:
+    device = lambda name, mem: {"name": name, "memory_GiB": mem, "peak_TFLOPS": {"bf16": 100},  # noqa: E731
+                                "memory_bandwidth_GBps": 1000}
+    return Cluster.from_dict({"inter_node": {"bandwidth_GBps": 10}, "node_groups": [
+        {"name": "big", "nodes": 1, "gpus_per_node": 4, "device": device("toy-big", big_GiB)},
+        {"name": "small", "nodes": 1, "gpus_per_node": 4, "device": device("toy-small", small_GiB)}]})
+
+
+@pytest.mark.parametrize("big,small", [(2.4, 1.6), (4.0, 1.2)], ids=lambda x: f"{x}GiB")
+def test_mixed_memory_prune_never_drops_a_split_that_fits(big, small):
+    """runs_cover() prunes a mixed pipeline's setting before any DP: only where no split
+    (over every recompute choice) fits."""
+    from search.core import _Search
+    from search.space import Constraints
+    cluster = _toy_mixed(big, small)
+    s = _Search(GPT, cluster, 12, Constraints.build(progress=False))
+    sk = Skeleton(groups=(DeviceGroup(ranks=(0, 1), tp=1), DeviceGroup(ranks=(4, 5), tp=1),
+                          DeviceGroup(ranks=(2, 3), tp=1)), kinds=(Kind(0, 1), Kind(1, 1), Kind(0, 1)))
+    modes = ("none", "full")
+    s.modes = modes
+    pruned = kept = 0
+    for b, (sched, v), zero in itertools.product((1, 2), (("1f1b", 1), ("gpipe", 1), ("zero-bubble", 1),
+                                                        ("interleaved-1f1b", 2)), (0, 3)):
+        st = Setting(b, 12 // b, sched, v, zero, False)
+        if s.runs_cover(sk, st):
+            kept += 1
+            continue
+        pruned += 1
+        for bounds in all_splits(GPT.num_layers, 3 * v):
+            for rec in itertools.product(modes, repeat=3 * v):
+                assert not analyze(s.tables, sk, st, bounds, rec)[0].fits, (st, bounds, rec)
+    assert pruned > 0 and kept > 0, "the case must exercise both outcomes"
+
+
 def test_setting_replace_keeps_other_fields():
     st = Setting(1, 8, "1f1b", 1, 0, False)
     assert replace(st, zero=3).zero == 3 and replace(st, zero=3).num_micro_batches == 8
