@@ -361,6 +361,11 @@ class _Search:
         tp_sets = [[t] for t in self.tp_options()] if self.engine.uniform_tp and self.restricted \
             else [self.tp_options()]
         for dp, b in keys:
+            if not self.pools_can_hold(dp, b):
+                # Every pipeline CP-SAT could propose here would be pruned by runs_cover().
+                pstats.skipped += 1
+                self.progress.step()
+                continue
             if seen and self.out_of_time():
                 # Pipelines never placed are bounded by the whole cluster's best rate.
                 self.stats.stopped_at_time_limit = True
@@ -384,6 +389,36 @@ class _Search:
                 for variant in self.with_ep(sk):
                     seen.setdefault((variant.groups, variant.kinds), variant)
         return list(seen.values())
+
+    def pools_can_hold(self, dp: int, b: int) -> bool:
+        """Whether pipelines of ``dp`` replicas at micro-batch ``b`` could hold the model at
+        all: each node group serves one run of device groups of one tp, and no group holds
+        more units than the additive part of its memory allows (``_least_units_bytes``
+        with no activations, the fewest communicators, the leanest ZeRO stage and
+        sequence-parallel setting allowed). A necessary condition for runs_cover()."""
+        key = ("pools", dp, b, self.tables.margin)
+        hit = self._least_runs.get(key)
+        if hit is not None:
+            return hit
+        units = 0
+        for k, ng in enumerate(self.cluster.groups):
+            most = 0
+            for kind in pool_kinds(self.tables, dp, self.tp_options(), pools=[k]):
+                one = allocate(self.tables, dp, [kind])
+                if one is None:
+                    continue
+                room = self.tables.capacity(k) - self.tables.fixed_bytes(k, one.groups[0], 1, 1)
+                per = 0
+                for ep in self.ep_options(dp):
+                    sk = Skeleton(groups=one.groups, kinds=(replace(kind, ep=ep),))
+                    for zero in (self.c.zero if dp > 1 else (min(self.c.zero),)):
+                        for sp in self.sequence_parallel(sk):
+                            least = self._least_units_bytes(sk, 0, Setting(b, 1, "1f1b", 1, zero, sp), 0)
+                            per = max(per, int(np.searchsorted(least, room, side="right")))
+                most = max(most, min(ng.num_gpus // (dp * kind.tp), self.max_pp()) * per)
+            units += most
+        hit = self._least_runs[key] = units >= self.L
+        return hit
 
     # ------------------------------------------------------------- bounds
     def memory_bound_ok(self, sk: Skeleton, st: Setting) -> bool:
@@ -919,6 +954,9 @@ class _Search:
         total_mem = sum(g.device.memory_bytes * g.num_gpus for g in self.cluster.groups)
         lines = [f"No plan fits in memory: {self.model.name} (seq {self.model.seq_len}, global batch {self.gb}) "
                  f"on {self.cluster.num_gpus} GPUs ({total_mem / GiB:,.0f} GiB in all)."]
+        states = float(self.tables.state_bytes(self.model.num_params, 0.0, 1, 0))
+        if states > total_mem:
+            lines.append(f"Its weights, gradients and optimizer states alone take {states / GiB:,.0f} GiB.")
         fixes = []
         if best is not None:
             _, sk, st, split = best

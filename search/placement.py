@@ -51,6 +51,8 @@ class PlacementStats:
     """Distinct device-group sequences produced."""
     enumerated: int = 0
     """Sequences enumerated exhaustively instead (small clusters: CP-SAT not needed)."""
+    skipped: int = 0
+    """(dp, micro-batch) pairs not placed: no pipeline of them could hold the model."""
     wall_s: float = 0.0
     """Seconds in CP-SAT."""
 
