@@ -26,6 +26,7 @@ model exactly for every schedule and setting on the device-group sequence found 
 """
 from __future__ import annotations
 
+import itertools
 import time
 from dataclasses import dataclass
 
@@ -35,6 +36,10 @@ from autoplan.plan import DeviceGroup
 from costmodel.efficiency import default_efficiency
 from search.evaluate import Skeleton
 from search.tables import RECOMPUTES, Kind, Tables
+
+
+ALL_ORDERS = 3
+"""Runs (node groups used) up to which every order of a solution's runs is proposed."""
 
 
 @dataclass
@@ -319,9 +324,13 @@ def _place(tables: Tables, *, dp: int, micro_batch: int, num_micro_batches: int,
         runs = [(solver.Value(after[kinds[g].pool]), g) for g in K if solver.Value(u[g])]
         ordered = [g for _, g in sorted(runs, reverse=True)]
         # The model orders runs only through memory (in-flight counts) and sizes them by
-        # averages; the DP judges orders exactly, so the reverse order is kept too (with
-        # two node groups that is every order).
-        orders = [ordered, ordered[::-1]] if len(ordered) > 1 else [ordered]
+        # averages; the DP judges orders exactly, so every order of up to ALL_ORDERS runs is
+        # kept (an order whose groups cannot hold the model costs the search little: it is
+        # pruned before any DP), else the reverse order too.
+        if len(ordered) <= ALL_ORDERS:
+            orders = [ordered] + [list(o) for o in itertools.permutations(ordered) if list(o) != ordered]
+        else:
+            orders = [ordered, ordered[::-1]]
         for order in orders:
             seq = [kinds[g] for g in order for _ in range(solver.Value(n[g]))]
             sk = allocate(tables, dp, seq)
