@@ -36,11 +36,11 @@ from costmodel import estimate as full_estimate
 from search.bounds import Bounds
 from search.evaluate import (Candidate, Setting, Skeleton, analyze, busy_bound, program_actions, simulated,
                              stage_figures)
+from search.inflight import inflight
 from search.placement import PlacementStats, allocate, place, pool_kinds
 from search.progress import Progress
 from search.result import RankedPlan, SearchResult, SearchStats
 from search.space import Constraints, divisors
-from search.inflight import inflight
 from search.split import INF, Split, Splitter
 from search.tables import RECOMPUTES, Kind, Tables
 
@@ -127,7 +127,7 @@ class _Search:
         """Fast-model time of the best candidate so far."""
         self._pipelining_counts: dict = {}
         self._ep_kinds: dict = {}
-        self._least_runs: dict = {}
+        self._memory_floors: dict = {}
 
     # ------------------------------------------------------------ options
     def tp_options(self) -> list[int]:
@@ -361,8 +361,9 @@ class _Search:
         tp_sets = [[t] for t in self.tp_options()] if self.engine.uniform_tp and self.restricted \
             else [self.tp_options()]
         for dp, b in keys:
-            if not self.pools_can_hold(dp, b):
-                # Every pipeline CP-SAT could propose here would be pruned by runs_cover().
+            if not self.pools_can_hold(dp, self.mb_options(dp)[0]):
+                # Not even at the smallest micro-batch (the pipelines placed here are tried
+                # at every size): every one of them would be pruned by runs_cover().
                 pstats.skipped += 1
                 self.progress.step()
                 continue
@@ -397,7 +398,7 @@ class _Search:
         with no activations, the fewest communicators, the leanest ZeRO stage and
         sequence-parallel setting allowed). A necessary condition for runs_cover()."""
         key = ("pools", dp, b, self.tables.margin)
-        hit = self._least_runs.get(key)
+        hit = self._memory_floors.get(key)
         if hit is not None:
             return hit
         units = 0
@@ -417,7 +418,7 @@ class _Search:
                             per = max(per, int(np.searchsorted(least, room, side="right")))
                 most = max(most, min(ng.num_gpus // (dp * kind.tp), self.max_pp()) * per)
             units += most
-        hit = self._least_runs[key] = units >= self.L
+        hit = self._memory_floors[key] = units >= self.L
         return hit
 
     # ------------------------------------------------------------- bounds
@@ -484,13 +485,14 @@ class _Search:
         base, act = self.splitter._mem_mats(sk, g, st)
         floor = self.splitter._step_mats(sk, g, st)
         key = (id(base), id(act), id(floor), count)
-        hit = self._least_runs.get(key)
+        hit = self._memory_floors.get(key)
         if hit is None or hit[0] is not base:
             qs = [RECOMPUTES.index(m) for m in self.modes]
             need = np.maximum(base[qs] + count * act[qs], floor[qs]).min(axis=0)
-            # (Monotone in the end by construction; the running maximum only guards the
-            # search below against rounding.)
-            hit = self._least_runs[key] = (base, np.maximum.accumulate(need, axis=1))
+            # (Monotone in the end by construction; the running maximum over the valid
+            # ends only guards the search below against rounding.)
+            upper = np.triu(np.ones(need.shape, dtype=bool), 1)
+            hit = self._memory_floors[key] = (base, np.maximum.accumulate(np.where(upper, need, -np.inf), axis=1))
         return hit[1]
 
     def _least_units_bytes(self, sk: Skeleton, g: int, st: Setting, held: int) -> np.ndarray:
@@ -502,7 +504,7 @@ class _Search:
         group, kind = sk.groups[g], sk.kinds[g]
         shards = group.dp * group.cp
         key = ("units", kind, st.micro_batch, st.sequence_parallel and kind.tp > 1, shards, st.zero, held)
-        hit = self._least_runs.get(key)
+        hit = self._memory_floors.get(key)
         if hit is None:
             t, tb = self.tables.table(kind, st.micro_batch, st.sequence_parallel), self.tables
             qs = [RECOMPUTES.index(m) for m in self.modes]
@@ -513,7 +515,7 @@ class _Search:
             compute = np.cumsum(np.sort(states + dyn * (tb.cast_bytes(cast, shards, st.zero) + held * act))) \
                 + dyn * float(t.transient[qs].min())
             step = np.cumsum(np.sort(states + dyn * tb.step_bytes(params, shards, st.zero, sharded)))
-            hit = self._least_runs[key] = np.maximum(compute, step)
+            hit = self._memory_floors[key] = np.maximum(compute, step)
         return hit
 
     # ---------------------------------------------------------------- run
