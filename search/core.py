@@ -383,7 +383,8 @@ class _Search:
                                zeros=list(self.c.zero), modes=list(self.modes),
                                max_stages=self.max_pp(), use_all_gpus=self.c.use_all_gpus,
                                alternatives=self.c.placement_alternatives,
-                               det_time_limit=self.c.placement_time_limit, seed=self.c.seed, stats=pstats)
+                               det_time_limit=self.c.placement_time_limit, seed=self.c.seed, stats=pstats,
+                               orders=self.c.placement_orders)
             for sk in found:
                 if self.c.pp is not None and sk.pp not in self.c.pp:
                     continue

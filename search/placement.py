@@ -38,10 +38,6 @@ from search.evaluate import Skeleton
 from search.tables import RECOMPUTES, Kind, Tables
 
 
-ALL_ORDERS = 3
-"""Runs (node groups used) up to which every order of a solution's runs is proposed."""
-
-
 @dataclass
 class PlacementStats:
     """What the CP-SAT stage did."""
@@ -103,7 +99,8 @@ def _ends(model) -> tuple[int, int]:
 
 def place(tables: Tables, *, dp: int, micro_batch: int, num_micro_batches: int, sequence_parallel: bool,
           kinds: list[Kind], zeros: list[int], modes: list[str], max_stages: int, use_all_gpus: bool,
-          alternatives: int, det_time_limit: float, seed: int, stats: PlacementStats) -> list[Skeleton]:
+          alternatives: int, det_time_limit: float, seed: int, stats: PlacementStats,
+          orders: int = 2) -> list[Skeleton]:
     """Device-group sequences for one (dp, micro-batch): the CP-SAT optimum and up to
     ``alternatives - 1`` next-best distinct sequences (each excluded by a no-good cut).
 
@@ -117,7 +114,7 @@ def place(tables: Tables, *, dp: int, micro_batch: int, num_micro_batches: int, 
         found = _place(tables, dp=dp, micro_batch=micro_batch, num_micro_batches=num_micro_batches,
                        sequence_parallel=sequence_parallel, kinds=kinds, zero=z, modes=modes,
                        max_stages=max_stages, use_all_gpus=use_all_gpus, alternatives=alternatives,
-                       det_time_limit=det_time_limit, seed=seed, stats=stats)
+                       det_time_limit=det_time_limit, seed=seed, stats=stats, orders=orders)
         out += [sk for sk in found if all(sk.groups != o.groups for o in out)]
     stats.skeletons += len(out)
     return out
@@ -125,7 +122,8 @@ def place(tables: Tables, *, dp: int, micro_batch: int, num_micro_batches: int, 
 
 def _place(tables: Tables, *, dp: int, micro_batch: int, num_micro_batches: int, sequence_parallel: bool,
            kinds: list[Kind], zero: int, modes: list[str], max_stages: int, use_all_gpus: bool,
-           alternatives: int, det_time_limit: float, seed: int, stats: PlacementStats) -> list[Skeleton]:
+           alternatives: int, det_time_limit: float, seed: int, stats: PlacementStats,
+           orders: int = 2) -> list[Skeleton]:
     model, cluster = tables.model, tables.cluster
     L = model.num_layers
     lead, tail = _ends(model)
@@ -324,14 +322,14 @@ def _place(tables: Tables, *, dp: int, micro_batch: int, num_micro_batches: int,
         runs = [(solver.Value(after[kinds[g].pool]), g) for g in K if solver.Value(u[g])]
         ordered = [g for _, g in sorted(runs, reverse=True)]
         # The model orders runs only through memory (in-flight counts) and sizes them by
-        # averages; the DP judges orders exactly, so every order of up to ALL_ORDERS runs is
-        # kept (an order whose groups cannot hold the model costs the search little: it is
-        # pruned before any DP), else the reverse order too.
-        if len(ordered) <= ALL_ORDERS:
-            orders = [ordered] + [list(o) for o in itertools.permutations(ordered) if list(o) != ordered]
+        # averages; the DP judges orders exactly, so the reverse order is kept too (with
+        # two node groups that is every order), and every order of up to ``orders`` runs
+        # (an order whose groups cannot hold the model is pruned before any DP).
+        if len(ordered) <= orders:
+            ways = [ordered] + [list(o) for o in itertools.permutations(ordered) if list(o) != ordered]
         else:
-            orders = [ordered, ordered[::-1]]
-        for order in orders:
+            ways = [ordered, ordered[::-1]]
+        for order in ways:
             seq = [kinds[g] for g in order for _ in range(solver.Value(n[g]))]
             sk = allocate(tables, dp, seq)
             if sk is not None and all(sk.groups != f.groups for f in found):

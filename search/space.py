@@ -66,6 +66,11 @@ class Constraints:
     only for short schedule programs, where the DP's objective is approximate)."""
     placement_alternatives: int = 3
     """Device-group sequences CP-SAT returns per (dp, micro-batch) on heterogeneous clusters."""
+    placement_orders: int = 2
+    """On a CP-SAT solution of up to this many runs (node groups used), every order of its
+    runs is proposed; beyond, the solution's order and its reverse. 3 covers every order
+    on three node groups: CP-SAT orders runs only through a coarse memory model, and
+    where memory binds another order can be much faster, at more search time."""
     placement_time_limit: float = 1.0
     """CP-SAT deterministic time limit per solve (roughly seconds)."""
     max_stages: int = 32
@@ -156,7 +161,8 @@ class Constraints:
                         raise ConfigError(k, f"must be True or False, got {x!r}")
                 out[k] = tuple(sorted(set(vals)))
             elif k in ("max_micro_batch", "max_virtual_stages", "max_estimates", "estimate_actions",
-                       "placement_alternatives", "max_stages", "refine_evaluations", "max_exhaustive_pipelines",
+                       "placement_alternatives", "placement_orders", "max_stages", "refine_evaluations",
+                       "max_exhaustive_pipelines",
                        "min_cp_tokens", "seed"):
                 top = _LIMITS[k]
                 low = 0 if k == "seed" else 1
@@ -231,7 +237,8 @@ _LIMITS = {"tp": MAX_GPUS, "pp": MAX_UNITS, "dp": MAX_GPUS, "cp": MAX_GPUS, "ep"
            "micro_batch": MAX_MICRO_BATCH,
            "virtual_stages": MAX_VIRTUAL_STAGES, "max_micro_batch": MAX_MICRO_BATCH,
            "max_virtual_stages": MAX_VIRTUAL_STAGES, "max_estimates": 10_000, "estimate_actions": 10**9,
-           "placement_alternatives": 100, "max_stages": MAX_UNITS, "refine_evaluations": 1_000_000,
+           "placement_alternatives": 100,
+           "placement_orders": 6, "max_stages": MAX_UNITS, "refine_evaluations": 1_000_000,
            "max_exhaustive_pipelines": 1_000_000, "seed": 2**31 - 1,
            "min_cp_tokens": MAX_SEQ_LEN}
 """Largest value of each numeric constraint (beyond them a search would run for hours)."""
