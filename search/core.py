@@ -549,6 +549,24 @@ class _Search:
                 self.bounds = Bounds(self.tables, self.modes, self.gb)
                 stats.tight_fallback = True
                 stats.pruned_memory_bound = stats.pruned_no_split = stats.pruned_split_bound = 0
+            if not short and not stats.stopped_at_time_limit and len(self.cluster.groups) > 1:
+                # CP-SAT sizes runs by a coarse memory model and may propose only pipelines
+                # that miss by a little; before saying nothing fits, try the leanest ones
+                # (every node group at its largest tp, roomiest first), as the no-fit
+                # message would.
+                known = {(sk.groups, sk.kinds) for sk in skeletons}
+                extra = [sk for sk in self._lean_skeletons([]) if (sk.groups, sk.kinds) not in known]
+                if extra:
+                    counts = ("candidates", "pruned_time_bound", "pruned_memory_bound", "pruned_no_split",
+                              "pruned_split_bound")
+                    before = {k: getattr(stats, k) for k in counts}
+                    stats.pruned_memory_bound = stats.pruned_no_split = stats.pruned_split_bound = 0
+                    self.bounds = Bounds(self.tables, self.modes, self.gb)   # (its caches are per list index)
+                    short = self._best_first(extra)
+                    for k in counts:
+                        setattr(stats, k, getattr(stats, k) + before[k])
+                    skeletons = skeletons + extra
+                    stats.skeletons = len(skeletons)
             stats.phase_s["split"] = time.perf_counter() - t0 - stats.phase_s.get("bounds", 0.0)
             stats.splits = self.splitter.runs
             stats.shortlisted = len(short)
@@ -917,24 +935,27 @@ class _Search:
         if len(self.cluster.groups) == 1:
             return skeletons or self.homogeneous_skeletons()
         # Mixed clusters: every node group, its largest tp, as many device groups as it
-        # holds (data parallel 1), roomiest devices first (they take the most activations).
+        # holds, for the three smallest data-parallel degrees.
+        # Which node group goes first decides the in-flight counts each must hold: every
+        # order on up to three node groups, else that one and its reverse.
         out = list(skeletons)
         tps = self.tp_options()
+        roomy = sorted(range(len(self.cluster.groups)), key=lambda k: (-self.cluster.groups[k].device.memory_bytes, k))
+        orders = list(itertools.permutations(roomy)) if len(roomy) <= 3 else [tuple(roomy), tuple(roomy[::-1])]
         for dp in self.dp_options()[:3]:
-            seq = []
-            order = sorted(range(len(self.cluster.groups)),
-                           key=lambda k: (-self.cluster.groups[k].device.memory_bytes, k))
-            for k in order:
-                ng = self.cluster.groups[k]
-                fit = [t for t in tps if ng.gpus_per_node % t == 0 and dp * t <= ng.num_gpus]
-                if not fit:
-                    continue
-                t = max(fit)
-                seq += [Kind(k, t)] * (ng.num_gpus // (dp * t))
-            seq = seq[:self.L]
-            sk = allocate(self.tables, dp, seq) if seq else None
-            if sk is not None:
-                out.append(sk)
+            for order in orders:
+                seq = []
+                for k in order:
+                    ng = self.cluster.groups[k]
+                    fit = [t for t in tps if ng.gpus_per_node % t == 0 and dp * t <= ng.num_gpus]
+                    if not fit:
+                        continue
+                    t = max(fit)
+                    seq += [Kind(k, t)] * (ng.num_gpus // (dp * t))
+                seq = seq[:self.L]
+                sk = allocate(self.tables, dp, seq) if seq else None
+                if sk is not None:
+                    out.append(sk)
         return out
 
     def _no_fit_message(self, skeletons: list[Skeleton]) -> str:
