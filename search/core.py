@@ -529,6 +529,9 @@ class _Search:
             raise ConfigError("cp", "context parallelism is searched on clusters of one device type only",
                               "drop the cp constraint, or search each node group on its own")
         try:
+            if self._states_exceed_cluster():
+                # However the states are sharded, they outgrow all the devices' memory.
+                raise NoPlanFitsError(self._no_fit_message([]))
             while True:
                 t0 = time.perf_counter()
                 if len(self.cluster.groups) == 1:
@@ -957,6 +960,12 @@ class _Search:
                 if sk is not None:
                     out.append(sk)
         return out
+
+    def _states_exceed_cluster(self) -> bool:
+        """Whether the model's weights, gradients and optimizer states alone outgrow every
+        device's memory put together: however they are sharded, nothing can fit."""
+        total_mem = sum(g.device.memory_bytes * g.num_gpus for g in self.cluster.groups)
+        return float(self.tables.state_bytes(self.model.num_params, 0.0, 1, 0)) > total_mem
 
     def _no_fit_message(self, skeletons: list[Skeleton]) -> str:
         c = self.c

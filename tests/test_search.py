@@ -329,6 +329,21 @@ def test_no_plan_fits_says_what_is_needed_per_device_type():
     assert "more GPUs" in text and "recompute" in text and "ZeRO" in text and "shorter sequence" in text
 
 
+@pytest.mark.parametrize("cluster", ["examples/clusters/small-mixed-v100-t4.json", "examples/clusters/dgx-a100-1node.json"],
+                         ids=["mixed", "homogeneous"])
+def test_states_larger_than_the_cluster_are_refused_before_any_search(cluster, monkeypatch):
+    """GPT-3 175B's weights, gradients and optimizer states outgrow these clusters' memory
+    put together: the answer comes without enumerating a single candidate, and says so."""
+    from search import core as search_core
+
+    def enumerate_(*args, **kwargs):
+        raise AssertionError("the branch and bound ran")
+    monkeypatch.setattr(search_core._Search, "_best_first", enumerate_)
+    with pytest.raises(NoPlanFitsError) as err:
+        search(models.get("gpt3-175b"), Cluster.load(cluster), 64, progress=False)
+    assert "optimizer states alone take" in str(err.value)
+
+
 # ---------------------------------------------------------------------- CLI
 
 def test_cli_search_writes_a_plan_estimate_accepts(tmp_path, capsys):
