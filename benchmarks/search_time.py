@@ -127,8 +127,9 @@ def _fmt(x: float, digits: int = 2) -> str:
 
 def write_markdown(rows: list[dict], path: Path, model: str, global_batch: int, baseline: str) -> None:
     lines = [f"# Search time vs cluster size ({model}, global batch {global_batch})", "",
-             f"Each search ran alone in its own process, this version's and the baseline's ({baseline}) one "
-             "after the other; the model is built before the clock starts. CPU seconds are "
+             f"Each search ran in its own process; the baseline's ({baseline}) rows were timed the same way on "
+             "the same machine and are kept in `search_time_baseline.jsonl` (the baseline does not change), "
+             "so only this version is timed on a new run. The model is built before the clock starts. CPU seconds are "
              "`time.process_time()` of the process around the search (all its threads), wall seconds "
              "`time.perf_counter()`; the machine was shared with other work, which inflates both (the "
              "ratio compares like with like). Each version's search ranks by its own cost model, so "
