@@ -30,7 +30,7 @@ from autoplan.cluster import Cluster
 from autoplan.errors import ConfigError, NoPlanFitsError
 from autoplan.limits import MAX_GLOBAL_BATCH, MAX_MICRO_BATCHES, MAX_SCHEDULE_SLOTS
 from autoplan.models.spec import ModelSpec
-from autoplan.plan import DeviceGroup, Plan, Stage
+from autoplan.plan import DeviceGroup, Plan, Stage, even_split
 from autoplan.units import GiB
 from costmodel import estimate as full_estimate
 from search.bounds import Bounds
@@ -786,12 +786,19 @@ class _Search:
         on per-chunk targets and the exact joint peak decides; the group-balanced split
         competes with the DP's. A simulated split whose busiest rank alone cannot beat
         ``threshold`` is not simulated."""
+        timed_splits: dict = {}
+
         def timed(split):
+            key = (split.bounds, split.recompute)
+            if key in timed_splits:   # (the even interleaved split is checked before it is offered)
+                return timed_splits[key]
             figs = stage_figures(self.tables, sk, st, split.bounds, split.recompute)
             if sim and busy_bound(self.tables, sk, st, figs) >= threshold:
                 self.stats.pruned_split_bound += 1
+                timed_splits[key] = None
                 return None
             analysis, _ = analyze(self.tables, sk, st, split.bounds, split.recompute, figs=figs)
+            timed_splits[key] = analysis
             return analysis
 
         sim = simulated(st, sk.pp)
@@ -799,7 +806,8 @@ class _Search:
             tries = [lambda: self.splitter.split(sk, st, modes, period_limit=limit)]
         else:
             tries = [lambda: self.splitter.split(sk, st, modes, period_limit=limit, joint=True),
-                     lambda: self.splitter.balanced_interleave(sk, st, modes)]
+                     lambda: self.splitter.balanced_interleave(sk, st, modes),
+                     lambda: self._even_interleave(sk, st, modes, timed)]
         best = None
         for attempt in (tries, [lambda: self.splitter.split(sk, st, modes, period_limit=limit)]):
             for make in attempt:
@@ -825,6 +833,23 @@ class _Search:
                 and self.refine_left > 0 and best[1].time_s < REFINE_WINDOW * threshold:
             best = self._refine(sk, st, *best, modes=modes)
         return best
+
+    def _even_interleave(self, sk: Skeleton, st: Setting, modes: tuple[str, ...], timed) -> Split | None:
+        """Megatron's even split with one recompute mode for every chunk, the least
+        recomputation that fits by the exact check. The DPs give interleaved chunks
+        conservative shares of their group's memory; a plan that fits only as a whole (the
+        one ``Plan.uniform`` writes) would otherwise be lost."""
+        S = sk.pp * st.virtual_stages
+        try:
+            bounds = tuple(even_split(self.model, S))
+        except ConfigError:
+            return None
+        for mode in modes:
+            split = Split(bounds=bounds, recompute=(mode,) * S, period=0.0, total=0.0)
+            analysis = timed(split)
+            if analysis is not None and analysis.fits:
+                return split
+        return None
 
     def _refine(self, sk: Skeleton, st: Setting, split: Split, analysis, budget: int = REFINE_MOVES,
                 modes: tuple[str, ...] | None = None):

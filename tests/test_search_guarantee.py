@@ -115,3 +115,28 @@ def test_search_is_never_worse_than_exhaustive_enumeration(case):
     assert found.estimate.iteration_time_s <= best_t * (1 + TOLERANCE), \
         f"search {found.plan.describe()} {found.estimate.iteration_time_s:.6g} s vs exhaustive " \
         f"{best_p.describe()} {best_t:.6g} s ({count} plans)"
+
+
+# The plan Plan.uniform writes (Megatron's even split, one recompute mode) is one the search
+# can express; it must never come back slower. Interleaved chunks share their group's
+# memory, so a split that fits only as a whole is easy to lose.
+UNIFORM_CASES = {
+    "gpt3-175b-1024-a100-interleaved": (
+        "gpt3-175b", lambda: Cluster.homogeneous("A100-80GB", 128, 8, inter_node_GBps=25), 1536,
+        dict(tp=4, pp=8, dp=32, micro_batch=1, schedule="interleaved-1f1b", virtual_stages=4,
+             sequence_parallel=True, zero=2)),
+}
+
+
+@pytest.mark.parametrize("name", list(UNIFORM_CASES), ids=list(UNIFORM_CASES))
+def test_search_is_never_worse_than_the_uniform_plan(name):
+    import autoplan
+    model_name, make_cluster, global_batch, fields = UNIFORM_CASES[name]
+    model, cluster = models.get(model_name), make_cluster()
+    uniform = autoplan.Plan.uniform(model, cluster, global_batch=global_batch, **fields)
+    reference = autoplan.estimate(model, cluster, uniform)
+    assert reference.fits and not reference.tight
+    found = search(model, cluster, global_batch, progress=False, tp=[fields["tp"]], pp=[fields["pp"]],
+                   dp=[fields["dp"]], micro_batch=[fields["micro_batch"]], schedules=[fields["schedule"]],
+                   virtual_stages=[fields["virtual_stages"]], zero=[fields["zero"]])
+    assert found.best.estimate.iteration_time_s <= reference.iteration_time_s * (1 + TOLERANCE)
