@@ -986,11 +986,15 @@ class _Search:
                     out.append(sk)
         return out
 
-    def _states_exceed_cluster(self) -> bool:
-        """Whether the model's weights, gradients and optimizer states alone outgrow every
-        device's memory put together: however they are sharded, nothing can fit."""
+    def _memory_and_states(self) -> tuple[float, float]:
+        """(every device's memory put together, the model's weights, gradients and
+        optimizer states unsharded): however the states are sharded, they need the second."""
         total_mem = sum(g.device.memory_bytes * g.num_gpus for g in self.cluster.groups)
-        return float(self.tables.state_bytes(self.model.num_params, 0.0, 1, 0)) > total_mem
+        return total_mem, float(self.tables.state_bytes(self.model.num_params, 0.0, 1, 0))
+
+    def _states_exceed_cluster(self) -> bool:
+        total_mem, states = self._memory_and_states()
+        return states > total_mem
 
     def _no_fit_message(self, skeletons: list[Skeleton]) -> str:
         c = self.c
@@ -1009,10 +1013,9 @@ class _Search:
                 continue
             if best is None or split.period < best[0]:
                 best = (split.period, sk, st, split)
-        total_mem = sum(g.device.memory_bytes * g.num_gpus for g in self.cluster.groups)
+        total_mem, states = self._memory_and_states()
         lines = [f"No plan fits in memory: {self.model.name} (seq {self.model.seq_len}, global batch {self.gb}) "
                  f"on {self.cluster.num_gpus} GPUs ({total_mem / GiB:,.0f} GiB in all)."]
-        states = float(self.tables.state_bytes(self.model.num_params, 0.0, 1, 0))
         if states > total_mem:
             lines.append(f"Its weights, gradients and optimizer states alone take {states / GiB:,.0f} GiB.")
         fixes = []
