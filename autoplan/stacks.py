@@ -24,6 +24,8 @@ from autoplan.units import GiB, MiB
 STACK_DIR = Path(__file__).parent / "data" / "stacks"
 SCHEMA_VERSION = 1
 ATTENTION_KERNELS = ("math", "flash2", "flash3")
+GRAD_COLLECTIVES = ("reduce_scatter", "all_reduce")
+"""Collectives a ZeRO-1/2 data-parallel group may reduce its gradients with."""
 """'math': explicit softmax(QK^T)V (saves the s x s probabilities); 'flash2': a fused kernel of
 FlashAttention-2's class (PyTorch SDPA, FlashAttention-2); 'flash3': Hopper-specific fused
 kernels (FlashAttention-3, cuDNN / Transformer Engine), FlashAttention-2 speed elsewhere."""
@@ -90,6 +92,11 @@ class Stack:
     the logits are gathered to the full vocabulary on every tensor-parallel rank first."""
     grad_reduce_bytes_per_param: float = 4.0
     """Bytes per parameter the data-parallel gradient reduction moves (fp32 = 4, bf16 = 2)."""
+    sharded_grad_collective: str = "reduce_scatter"
+    """How ZeRO-1/2 reduce gradients over the data-parallel group: 'reduce_scatter' (each rank
+    receives the sum of its own optimizer shard only) or 'all_reduce' (every rank receives
+    the whole sum and keeps its shard: twice the traffic). Without ZeRO it is an all-reduce
+    and under ZeRO-3 a reduce-scatter on every stack."""
     dp_buffer_bytes: float = 0.0
     """Communication buffers for the data-parallel reduction and gather that are not the
     gradients themselves (DeepSpeed's reduce/all-gather buckets), when dp > 1."""
@@ -121,6 +128,9 @@ class Stack:
             v = getattr(self, f.name)
             if f.type in ("float",) and (not isinstance(v, (int, float)) or v < 0 or v != v):
                 raise ConfigError(f"stack {self.name}.{f.name}", f"must be a finite number >= 0, got {v!r}")
+        if self.sharded_grad_collective not in GRAD_COLLECTIVES:
+            raise ConfigError(f"stack {self.name}.sharded_grad_collective",
+                              f"{self.sharded_grad_collective!r} is not one of {list(GRAD_COLLECTIVES)}")
         if self.allocator_fragmentation >= 1:
             raise ConfigError(f"stack {self.name}.allocator_fragmentation",
                               f"must be < 1, got {self.allocator_fragmentation}")
@@ -130,6 +140,13 @@ class Stack:
     def spec_attention(self) -> str:
         """The zoo's attention implementation whose saved tensors this stack's kernel has."""
         return "math" if self.attention == "math" else "flash"
+
+    def grad_reduce_kind(self, zero: int) -> str:
+        """The collective that reduces gradients over the data-parallel group at ZeRO stage
+        ``zero`` (the ZeRO-3 per-unit reduce-scatter is not this one's business)."""
+        if zero == 0:
+            return "all_reduce"
+        return self.sharded_grad_collective if zero < 3 else "reduce_scatter"
 
     def state_bytes_per_param(self, dp: int, zero: int) -> float:
         """Bytes of weights, gradients and optimizer state per parameter on one rank."""
@@ -164,7 +181,7 @@ class Stack:
             if f.type == "bool":
                 values[f.name] = r.bool(key)
             elif f.type == "str":
-                values[f.name] = r.str(key, choices=ATTENTION_KERNELS if f.name == "attention" else None)
+                values[f.name] = r.str(key, choices=_STR_CHOICES.get(f.name))
             elif f.type == "dict":
                 sub = r.sub(key)
                 values[f.name] = {k: sub.str(k) for k in sub.data}
@@ -173,6 +190,8 @@ class Stack:
         return cls(**values).validate()
 
 
+_STR_CHOICES = {"attention": ATTENTION_KERNELS, "sharded_grad_collective": GRAD_COLLECTIVES}
+"""Text fields and the values they accept."""
 _FILE_KEYS = {"cuda_context_bytes": "cuda_context_GiB", "nccl_bytes_per_group": "nccl_MiB_per_group",
               "dp_buffer_bytes": "dp_buffer_MiB"}
 """Fields whose file key carries a unit other than bytes."""

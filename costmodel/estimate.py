@@ -318,7 +318,7 @@ def stage_costs(model: ModelSpec, cluster: Cluster, plan: Plan, options: Estimat
             bwd += extra
             reduce = 0.0
         elif dp > 1:
-            kind = "reduce_scatter" if plan.zero >= 1 else "all_reduce"
+            kind = stack.grad_reduce_kind(plan.zero)
             reduce = experts.grad_reduce_time(cluster, dp_groups, edp_groups, dense * stack.grad_reduce_bytes_per_param,
                                               expert_local * stack.grad_reduce_bytes_per_param, kind)
         else:

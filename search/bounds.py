@@ -459,7 +459,7 @@ class Bounds:
         if P == 1:
             bound = m * period
             if dp > 1 and st.zero < 3:
-                kind = "reduce_scatter" if st.zero >= 1 else "all_reduce"
+                kind = tables.stack.grad_reduce_kind(st.zero)
                 bound += tables.dp_collective(sk.groups[0], summ[0].params * tables.stack.grad_reduce_bytes_per_param,
                                               kind) / self.L
             return bound + summ[0].params / (dp if st.zero >= 1 else 1) * tables.optimizer_rate(sk.kinds[0].pool)

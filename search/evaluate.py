@@ -174,7 +174,7 @@ def stage_figures(tables: Tables, sk: Skeleton, st: Setting, bounds: Sequence[tu
             fwd = max(fwd, gather)
             bi += max(0.0, gather + scatter - (bi + bw))
         elif group.dp * group.cp > 1:
-            reduce = collective(stack.grad_reduce_bytes_per_param, "reduce_scatter" if st.zero >= 1 else "all_reduce")
+            reduce = collective(stack.grad_reduce_bytes_per_param, stack.grad_reduce_kind(st.zero))
         send_f = send_b = 0.0
         if j < n - 1:
             nxt = sk.groups[(j + 1) % P]

@@ -56,7 +56,8 @@ def test_unknown_stack_is_one_line_error(value, message):
     ({"cuda_context_GiB": "lots"}, "cuda_context_GiB"),
     ({"grads_in_bf16": True}, "grads_in_bf16"),
     ({"schema_version": 99}, "schema_version"),
-], ids=["kernel", "negative", "fragmentation", "type", "unknown-field", "version"])
+    ({"sharded_grad_collective": "broadcast"}, "sharded_grad_collective"),
+], ids=["kernel", "negative", "fragmentation", "type", "unknown-field", "version", "collective"])
 def test_bad_stack_file_names_the_field(tmp_path, edit, field):
     data = get_stack("megatron-core").to_dict() | edit
     path = tmp_path / "mine.json"
@@ -135,6 +136,40 @@ def test_stack_decides_overlap_unless_overridden():
     assert EstimateOptions(stack="megatron-lm-2021").overlap_grad_reduce is False
     assert EstimateOptions(stack="megatron-core").overlap_grad_reduce is True
     assert EstimateOptions(stack="megatron-core", overlap_grad_reduce=False).overlap_grad_reduce is False
+
+
+@pytest.mark.parametrize("collective,zero,kind", [
+    ("reduce_scatter", 0, "all_reduce"),
+    ("reduce_scatter", 1, "reduce_scatter"),
+    ("all_reduce", 1, "all_reduce"),
+    ("all_reduce", 2, "all_reduce"),
+    ("all_reduce", 3, "reduce_scatter"),
+], ids=["no-zero", "zero1-scatter", "zero1-all-reduce", "zero2-all-reduce", "zero3-always-scatter"])
+def test_gradient_collective_follows_the_stack(collective, zero, kind):
+    stack = dataclasses.replace(get_stack("megatron-core"), sharded_grad_collective=collective)
+    assert stack.grad_reduce_kind(zero) == kind
+
+
+def test_all_reducing_zero1_stack_pays_twice_the_gradient_traffic():
+    """AA-Scaling all-reduces whole gradients under ZeRO-1 and keeps its shard: its data-parallel
+    reduction moves twice a reduce-scatter's bytes, in the estimate and in the search's figures."""
+    from costmodel.estimate import stage_costs
+    from search.evaluate import Setting, Skeleton, analyze
+    from search.tables import Kind, Tables
+    model = uniform_model(4, params=5e8)
+    cluster = autoplan.Cluster.homogeneous("A100-80GB", 2, 8, inter_node_GBps=25)
+    plan = autoplan.Plan.uniform(model, cluster, tp=1, pp=1, dp=16, micro_batch=1, global_batch=16, zero=1)
+    scatter = dataclasses.replace(get_stack("megatron-core"), overlap_grad_reduce=False)
+    reduce = {}
+    for collective in ("reduce_scatter", "all_reduce"):
+        options = EstimateOptions(stack=dataclasses.replace(scatter, sharded_grad_collective=collective))
+        reduce[collective] = stage_costs(model, cluster, plan, options)[0].grad_reduce
+        # The search prices the same stage the same way.
+        sk = Skeleton(groups=plan.groups, kinds=(Kind(0, 1, 1, plan.cp_comm, 1),))
+        st = Setting(1, plan.num_micro_batches, plan.schedule, 1, 1, False)
+        _, figs = analyze(Tables(model, cluster, options=options), sk, st, [(0, model.num_layers)], ["none"])
+        assert figs[0].grad_reduce == pytest.approx(reduce[collective], rel=1e-9)
+    assert reduce["all_reduce"] == pytest.approx(2 * reduce["reduce_scatter"], rel=1e-6)
 
 
 @pytest.mark.parametrize("margin", [-0.1, 0.6, True], ids=["negative", "too-big", "bool"])
