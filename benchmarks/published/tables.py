@@ -562,6 +562,11 @@ def bloom_sweep() -> list:
             confidence="high (numbers); medium (heads of the 02-21 tables, recompute and ZeRO-1 assumed by the "
                        "data set)",
             group="BF16 optimizer (fp32 gradients)" if bf16_optimizer else "ZeRO-1 before it (2-byte gradients)",
+            # DeepSpeed's ZeRO-1 optimizer reduces each gradient to the rank owning its
+            # partition (stage_1_and_2.py average_tensor, reduce_scatter=True) in the
+            # parameters' 2-byte dtype, where the BF16 optimizer all-reduces fp32 gradients.
+            stack_overrides={} if bf16_optimizer else dict(sharded_grad_collective="reduce_scatter",
+                                                           grad_reduce_bytes_per_param=2.0),
             note="2nd-iteration time only"))
     return out
 
