@@ -147,3 +147,23 @@ def test_amp_layer_check_compares_like_with_like():
     for c in checks:
         assert c.layers == 24 and c.measured_ms > 0 and c.predicted_ms > 0
         assert (c.predicted_tp_ms == 0) == (c.tp == 1)
+
+
+@pytest.mark.parametrize("blocks,pp,expected", [
+    # 63 items (embedding, 60 blocks, norm, head) in runs of 4 then 3: one block beside the head.
+    (60, 16, [(0, 4)] + [(a, a + 4) for a in range(4, 60, 4)] + [(60, 62)]),
+    # 63 items in 32 + 31: the head's stage gets 29 blocks, Megatron's split would give it 30.
+    (60, 2, [(0, 32), (32, 62)]),
+    # 43 items in 11, 11, 11, 10: the norm opens no stage of its own.
+    (40, 4, [(0, 11), (11, 22), (22, 33), (33, 42)]),
+    # 83 items in 3 x 21 + 20: every stage keeps at least one unit.
+    (80, 4, [(0, 21), (21, 42), (42, 63), (63, 82)]),
+], ids=["60-blocks-16-stages", "60-blocks-2-stages", "40-blocks-4-stages", "80-blocks-4-stages"])
+def test_hagemann_runs_use_aa_scaling_s_pipeline_split(blocks, pp, expected):
+    from benchmarks.published import validate
+    import autoplan
+    model = autoplan.models.transformer(layers=blocks, hidden=256, heads=4, seq_len=128, vocab=1000, arch="llama")
+    bounds = validate.aa_scaling_split(model, pp)
+    assert bounds == expected
+    assert bounds[0][0] == 0 and bounds[-1][1] == model.num_layers
+    assert all(a < b for a, b in bounds) and all(x[1] == y[0] for x, y in zip(bounds, bounds[1:]))
