@@ -188,7 +188,10 @@ REAL_PLANS = {
 }
 REAL_FIT = ("mb2x2", "mb8x2", "mb4x4-full", "mb2x8")
 REAL_HELD_OUT = ("mb4x2", "mb8x1-full")
-REAL_STEPS = 8
+REAL_STEPS = 6
+REAL_ROUNDS = 2
+"""Every plan is trained this many times, the rounds apart: a neighbour's burst of memory
+traffic slows a whole short run even in thread CPU time, and seldom both rounds."""
 ONE_RANK = autoplan.Cluster.homogeneous("CPU", 1, 1)
 
 
@@ -210,9 +213,10 @@ def _train_all(rank: int, world: int, port: int, names: tuple, out: str) -> None
         from autoplan.runtime.trainer import train
         # One throwaway run first: the first training in a process pays for lazy set-up.
         train(_real_plan(names[0]), "gpt-tiny", steps=2, log=None, clock="thread")
-        for name in names:
-            train(_real_plan(name), "gpt-tiny", steps=REAL_STEPS, out=str(Path(out) / f"{name}.json"), log=None,
-                  clock="thread")
+        for round_ in range(REAL_ROUNDS):
+            for name in names:
+                train(_real_plan(name), "gpt-tiny", steps=REAL_STEPS, out=str(Path(out) / f"{name}.{round_}.json"),
+                      log=None, clock="thread")
     finally:
         dist.destroy_process_group()
 
@@ -222,9 +226,15 @@ def test_calibration_from_real_cpu_runs_predicts_held_out_plans():
     names = REAL_FIT + REAL_HELD_OUT
     with tempfile.TemporaryDirectory() as d:
         mp.spawn(_train_all, args=(1, _free_port(), names, d), nprocs=1)
-        runs = runs_from_records([Path(d) / f"{n}.json" for n in names])
-    fit = [r for r in runs if Path(r.name).stem in REAL_FIT]
-    held = [r for r in runs if Path(r.name).stem in REAL_HELD_OUT]
+        records = runs_from_records([Path(d) / f"{n}.{k}.json" for n in names for k in range(REAL_ROUNDS)])
+    # Each plan's least disturbed round, as runs_from_records keeps each run's fastest step.
+    runs = {}
+    for r in records:
+        name = r.name.split(".")[0]
+        if name not in runs or r.step_time_s < runs[name].step_time_s:
+            runs[name] = r
+    fit = [runs[n] for n in REAL_FIT]
+    held = [runs[n] for n in REAL_HELD_OUT]
     cal, _ = calibrate(fit)
     for r in held:
         predicted = autoplan.estimate(r.model, r.cluster, r.plan, calibration=cal).iteration_time_s
