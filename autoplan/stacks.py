@@ -100,6 +100,11 @@ class Stack:
     dp_buffer_bytes: float = 0.0
     """Communication buffers for the data-parallel reduction and gather that are not the
     gradients themselves (DeepSpeed's reduce/all-gather buckets), when dp > 1."""
+    forward_host_s_per_kernel: float = 0.0
+    """Host time per forward kernel of the stack's model code (Python module code, framework
+    dispatch, launch): a layer's forward that the GPU would finish sooner waits on the host.
+    The backward runs in the autograd engine's C++ loop and is not held to it. 0: the host
+    keeps ahead of the GPU."""
     overlap_grad_reduce: bool = True
     """Data-parallel gradient reduction overlaps the backward (bucketed)."""
     overlap_param_gather: bool = True
@@ -193,9 +198,10 @@ class Stack:
 _STR_CHOICES = {"attention": ATTENTION_KERNELS, "sharded_grad_collective": GRAD_COLLECTIVES}
 """Text fields and the values they accept."""
 _FILE_KEYS = {"cuda_context_bytes": "cuda_context_GiB", "nccl_bytes_per_group": "nccl_MiB_per_group",
-              "dp_buffer_bytes": "dp_buffer_MiB"}
+              "dp_buffer_bytes": "dp_buffer_MiB", "forward_host_s_per_kernel": "forward_host_us_per_kernel"}
 """Fields whose file key carries a unit other than bytes."""
-_FILE_UNITS = {"cuda_context_bytes": GiB, "nccl_bytes_per_group": MiB, "dp_buffer_bytes": MiB}
+_FILE_UNITS = {"cuda_context_bytes": GiB, "nccl_bytes_per_group": MiB, "dp_buffer_bytes": MiB,
+               "forward_host_s_per_kernel": 1e-6}
 
 
 def stack_names() -> list[str]:

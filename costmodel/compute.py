@@ -5,7 +5,7 @@ reductions) from :mod:`costmodel.efficiency`."""
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 from typing import Protocol
 
@@ -111,11 +111,16 @@ def roofline_timing(device: DeviceSpec, eff: Efficiency, layer: LayerSpec, micro
 
 def layer_timing(device: DeviceSpec, layer: LayerSpec, micro_batch: int, tp: int, sequence_parallel: bool,
                  dtype: str, profiles: ProfileSource | None = None, attention: str = "flash2",
-                 efficiency: Efficiency | None = None, ep: int = 1, load: float = 1.0) -> LayerTiming:
+                 efficiency: Efficiency | None = None, ep: int = 1, load: float = 1.0,
+                 forward_host_s_per_kernel: float = 0.0) -> LayerTiming:
     """Measured timing when a profile covers this device and layer, else the roofline with
     ``efficiency`` (a calibration's), efficiencies fitted from profiles of this device, or
     the device family's defaults, in that order. Profiles time expert units on one rank at
-    balanced load, so with expert parallelism or another load the roofline times them."""
+    balanced load, so with expert parallelism or another load the roofline times them.
+
+    ``forward_host_s_per_kernel`` is the host's time to issue one forward kernel from the
+    training stack's model code: a roofline forward that the GPU would finish sooner waits
+    on the host (measured profiles already hold it)."""
     eff = efficiency
     if profiles is not None:
         if layer.experts is None or (ep == 1 and load == 1.0):
@@ -123,5 +128,9 @@ def layer_timing(device: DeviceSpec, layer: LayerSpec, micro_batch: int, tp: int
             if measured is not None:
                 return measured
         eff = eff or profiles.efficiency(device)
-    return roofline_timing(device, eff or default_efficiency(device.name), layer, micro_batch, tp,
-                           sequence_parallel, dtype, attention, ep, load)
+    timing = roofline_timing(device, eff or default_efficiency(device.name), layer, micro_batch, tp,
+                             sequence_parallel, dtype, attention, ep, load)
+    host = layer.kernels_fwd * forward_host_s_per_kernel
+    if host > timing.forward:
+        timing = replace(timing, forward=host)
+    return timing

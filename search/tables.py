@@ -209,7 +209,8 @@ class Tables:
                 layer = context_shard(layer, cp)   # this rank's share of the sequence
                 load = experts.expert_load(layer.experts, ep, b * (model.tokens_per_sample or model.seq_len) / cp,
                                            self.options.expert_load)
-                t = layer_timing(dev, layer, b, tp, sp, dtype, self.profiles, stack.attention, eff, ep, load)
+                t = layer_timing(dev, layer, b, tp, sp, dtype, self.profiles, stack.attention, eff, ep, load,
+                                 stack.forward_host_s_per_kernel)
                 tp_comm = 0.0
                 if tp > 1:
                     # As costmodel.estimate.stage_costs: row-parallel outputs all-reduced; the

@@ -172,6 +172,36 @@ def test_all_reducing_zero1_stack_pays_twice_the_gradient_traffic():
     assert reduce["all_reduce"] == pytest.approx(2 * reduce["reduce_scatter"], rel=1e-6)
 
 
+@pytest.mark.parametrize("host_us,host_bound", [(0.0, False), (0.001, False), (5000.0, True)],
+                         ids=["no-host-cost", "host-keeps-ahead", "host-bound"])
+def test_forward_waits_on_a_slow_host(host_us, host_bound):
+    """A forward whose kernels the GPU finishes sooner than the stack's model code issues them
+    takes the host's time; the backward (autograd's C++ loop) does not; the search's stage
+    figures follow the estimate's."""
+    from costmodel.compute import layer_timing
+    from costmodel.estimate import stage_costs
+    from search.evaluate import Setting, Skeleton, analyze
+    from search.tables import Kind, Tables
+    model = autoplan.models.transformer(layers=2, hidden=256, heads=4, seq_len=128, vocab=1000)
+    cluster = autoplan.Cluster.homogeneous("V100-16GB", 1, 1)
+    block = model.layers[1]
+    device = cluster.slots[0].device
+    gpu = layer_timing(device, block, 1, 1, False, "fp16")
+    timed = layer_timing(device, block, 1, 1, False, "fp16", forward_host_s_per_kernel=host_us * 1e-6)
+    host = block.kernels_fwd * host_us * 1e-6
+    assert timed.forward == pytest.approx(max(gpu.forward, host))
+    assert (timed.forward > gpu.forward) == host_bound
+    assert (timed.backward, timed.backward_input) == (gpu.backward, gpu.backward_input)
+    stack = dataclasses.replace(get_stack("megatron-deepspeed"), forward_host_s_per_kernel=host_us * 1e-6)
+    options = EstimateOptions(stack=stack)
+    plan = autoplan.Plan.uniform(model, cluster, tp=1, pp=1, dp=1, micro_batch=1, global_batch=1, dtype="fp16")
+    costs = stage_costs(model, cluster, plan, options)[0]
+    sk = Skeleton(groups=plan.groups, kinds=(Kind(0, 1, 1, plan.cp_comm, 1),))
+    st = Setting(1, plan.num_micro_batches, plan.schedule, 1, 0, False)
+    _, figs = analyze(Tables(model, cluster, dtype="fp16", options=options), sk, st, [(0, model.num_layers)], ["none"])
+    assert figs[0].forward == pytest.approx(costs.forward, rel=1e-12)
+
+
 @pytest.mark.parametrize("margin", [-0.1, 0.6, True], ids=["negative", "too-big", "bool"])
 def test_memory_margin_is_validated(margin):
     with pytest.raises(ConfigError, match="memory_margin"):

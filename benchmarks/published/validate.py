@@ -524,13 +524,17 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=str(RESULTS / "validation.md"))
     ap.add_argument("--fit", action="store_true",
-                    help="refit aa-scaling's activation scale and loss bytes on the Llama-13B runs first")
+                    help="refit the fitted constants first: aa-scaling's activation scale and loss bytes (Llama-13B "
+                         "runs), autoplan's activation scale (H100 sweep), megatron-deepspeed's forward host time "
+                         "(AMP layer profiles)")
     args = ap.parse_args(argv)
     start = time.perf_counter()
     H = hagemann_frame()
     if args.fit:
         fit_aa_scaling(H)
         fit_autoplan_activation_scale()
+        host = tables.fit_forward_host_time()
+        print(f"  megatron-deepspeed forward host time: {host * 1e6:.0f} us per kernel")
     time_lines, time_by_stack = time_section()
     network_GBps, network_lines = fit_hagemann_network(H)
     R = evaluate_hagemann(H, network_GBps)
