@@ -771,7 +771,7 @@ class _Search:
                 from autoplan.engines import partition_uniform
                 cuts = partition_uniform(self.L, S)
                 bounds = tuple(zip(cuts, cuts[1:]))
-                analysis, _ = analyze(self.tables, sk, st, bounds, modes * S)
+                analysis, _ = analyze(self.tables, sk, st, bounds, modes * S, fitting_only=True)
                 found = (Split(bounds=bounds, recompute=modes * S, period=0.0, total=0.0), analysis) \
                     if analysis.fits else None
             else:
@@ -797,7 +797,8 @@ class _Search:
                 self.stats.pruned_split_bound += 1
                 timed_splits[key] = None
                 return None
-            analysis, _ = analyze(self.tables, sk, st, split.bounds, split.recompute, figs=figs)
+            analysis, _ = analyze(self.tables, sk, st, split.bounds, split.recompute, figs=figs,
+                                  fitting_only=True)
             timed_splits[key] = analysis
             return analysis
 
@@ -910,7 +911,7 @@ class _Search:
                 if busy_bound(self.tables, sk, st, figs) >= best_t:
                     continue
                 self.refine_left -= 1
-                a, _ = analyze(self.tables, sk, st, nb, nr, figs=figs)
+                a, _ = analyze(self.tables, sk, st, nb, nr, figs=figs, fitting_only=True)
                 if a.fits and a.time_s < best_t * (1 - 1e-12):
                     bounds, rec, best_t, analysis = nb, nr, a.time_s, a
                     improved = True

@@ -337,16 +337,21 @@ def busy_bound(tables: Tables, sk: Skeleton, st: Setting, figs: Sequence[StageFi
     return out
 
 
-def analyze(tables: Tables, sk: Skeleton, st: Setting, bounds, recompute, figs=None) -> tuple[Analysis, list]:
+def analyze(tables: Tables, sk: Skeleton, st: Setting, bounds, recompute, figs=None,
+            fitting_only: bool = False) -> tuple[Analysis, list]:
     """Fast-model time and memory of a candidate: exact simulation for short programs,
-    the closed form otherwise (``figs``: its stage figures, when already computed)."""
+    the closed form otherwise (``figs``: its stage figures, when already computed).
+    ``fitting_only``: a candidate that does not fit is not timed (its time is inf; the
+    search discards it anyway, and timing is most of the cost)."""
     if figs is None:
         figs = stage_figures(tables, sk, st, bounds, recompute)
     mem = group_memory(tables, sk, st, figs)
     caps = [tables.capacity(k.pool) for k in sk.kinds]
     fits = all(x <= c for x, c in zip(mem, caps))
     opts = tables.options
-    if simulated(st, sk.pp):
+    if fitting_only and not fits:
+        time_s = float("inf")
+    elif simulated(st, sk.pp):
         time_s = simulated_time(tables, sk, st, figs)
     else:
         time_s = pipeline_time(sk, st, figs, tables, opts.blocking_p2p, opts.overlap_grad_reduce)
