@@ -81,6 +81,7 @@ class Bounds:
         self._lines: dict = {}
         self._chains: dict = {}
         self._unit: dict = {}
+        self._mixed_periods: dict = {}
 
     def summary(self, kind: Kind, b: int, sp: bool) -> KindSummary:
         key = (kind, b, sp and kind.tp > 1)
@@ -155,11 +156,21 @@ class Bounds:
             hit = self._kinds[sk_id] = list(counts.items())
         return hit
 
-    def _mixed_period(self, sk: Skeleton, st: Setting) -> float:
+    def _mixed_period(self, sk_id: int, sk: Skeleton, st: Setting) -> float:
         """Mixed pipelines: the smallest period at which the groups can take all units,
         each at most as many as its memory holds (average unit, leanest recompute, its
         position's 1F1B in-flight count) and no more than its speed allows in the period:
         find the least tau with sum_g min(tau / t_g, U_g) >= units (water-filling)."""
+        P, m = sk.pp, st.num_micro_batches
+        gpipe = st.schedule == "gpipe"
+        # (The in-flight counts depend on m only under GPipe or below the depth.)
+        key = (sk_id, st.micro_batch, st.sequence_parallel, st.zero, m if gpipe or m < P else None, gpipe)
+        hit = self._mixed_periods.get(key)
+        if hit is None:
+            hit = self._mixed_periods[key] = self._water_fill(sk, st)
+        return hit
+
+    def _water_fill(self, sk: Skeleton, st: Setting) -> float:
         P, m, L = sk.pp, st.num_micro_batches, self.L
         rates, caps = [], []
         for g, kind in enumerate(sk.kinds):
@@ -435,7 +446,7 @@ class Bounds:
         if extra == INF:
             return INF
         if len(summ) > 1:
-            period = self._mixed_period(sk, st)
+            period = self._mixed_period(sk_id, sk, st)
             if period == INF:
                 return INF
             # The recomputation memory forces, spread at each group's relative speed.

@@ -128,6 +128,7 @@ class _Search:
         self._pipelining_counts: dict = {}
         self._ep_kinds: dict = {}
         self._memory_floors: dict = {}
+        self._mode_rows = [RECOMPUTES.index(m) for m in self.modes]
 
     # ------------------------------------------------------------ options
     def tp_options(self) -> list[int]:
@@ -462,9 +463,9 @@ class _Search:
             for g in range(P):
                 pool = sk.kinds[g].pool
                 room = self.tables.capacity(pool) - self.tables.fixed_bytes(pool, sk.groups[g], P, sk.ep)
-                need = self._stage_need(sk, g, st, counts[g][0])
-                # need[reach, reach + 1:] grows with the run's end: count the ends that fit.
-                reach += int(np.searchsorted(need[reach, reach + 1:], room, side="right"))
+                need = self._stage_need(sk, g, st, counts[g][0], reach)
+                # need grows with the run's end: count the ends that fit.
+                reach += int(np.searchsorted(need, room, side="right"))
                 if reach >= self.L:
                     return True
             return False
@@ -480,21 +481,19 @@ class _Search:
                 return True
         return False
 
-    def _stage_need(self, sk: Skeleton, g: int, st: Setting, count: int) -> np.ndarray:
-        """need[s, e]: bytes per GPU of stage [s, e) on group g of ``sk`` holding ``count``
-        micro-batches in flight, in the leanest recompute mode allowed (the DP's memory)."""
+    def _stage_need(self, sk: Skeleton, g: int, st: Setting, count: int, start: int) -> np.ndarray:
+        """need[d]: bytes per GPU of stage [start, start + d + 1) on group g of ``sk`` holding
+        ``count`` micro-batches in flight, in the leanest recompute mode allowed (the DP's
+        memory). Only the one row is computed: a fresh row costs less than looking a whole
+        matrix up, and the rows asked for seldom repeat."""
         base, act = self.splitter._mem_mats(sk, g, st)
         floor = self.splitter._step_mats(sk, g, st)
-        key = (id(base), id(act), id(floor), count)
-        hit = self._memory_floors.get(key)
-        if hit is None or hit[0] is not base:
-            qs = [RECOMPUTES.index(m) for m in self.modes]
-            need = np.maximum(base[qs] + count * act[qs], floor[qs]).min(axis=0)
-            # (Monotone in the end by construction; the running maximum over the valid
-            # ends only guards the search below against rounding.)
-            upper = np.triu(np.ones(need.shape, dtype=bool), 1)
-            hit = self._memory_floors[key] = (base, np.maximum.accumulate(np.where(upper, need, -np.inf), axis=1))
-        return hit[1]
+        qs = self._mode_rows
+        row = np.maximum(base[qs, start, start + 1:] + count * act[qs, start, start + 1:],
+                         floor[qs, start, start + 1:]).min(axis=0)
+        # (Monotone in the end by construction; the running maximum only guards the
+        # search against rounding.)
+        return np.maximum.accumulate(row)
 
     def _least_units_bytes(self, sk: Skeleton, g: int, st: Setting, held: int) -> np.ndarray:
         """least[d]: a lower bound on the bytes per GPU of any d + 1 units (consecutive or

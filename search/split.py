@@ -65,7 +65,6 @@ class Splitter:
         self._bands: dict = {}
         self._reserve: dict = {}
         self._free: dict = {}
-        self._free_mixed: dict = {}
         self._shares: dict = {}
         self._shortest: dict = {}
         self.runs = 0
@@ -186,23 +185,15 @@ class Splitter:
         # Memory binds: the constrained DP's least period is at least the free one. Stages
         # are first limited to runs costing at most a little more than it (a narrow band,
         # cheap); a split found under that limit is optimal, as every longer stage would
-        # cost more. Otherwise the limit widens, up to the caller's.
+        # cost more. Otherwise the DP runs under the caller's limit: it finds the same least
+        # period, and it weighs a superset of the period/total trade-offs a narrower band
+        # would, so narrower retries could not do better by the DP's own objective.
         limit = free.period * 1.25
-        widest = None
-        for i in range(3):
-            if limit >= period_limit:
-                break
+        if limit < period_limit:
             found = self._split_dp(sk, st, modes, objective, limit, joint)
             if found is not None:
                 return found
-            if i == 0:
-                # Where no split fits under the caller's limit, none fits under a
-                # narrower one: one DP says so instead of three.
-                widest = self._split_dp(sk, st, modes, objective, period_limit, joint)
-                if widest is None:
-                    return None
-            limit *= 2
-        return widest if widest is not None else self._split_dp(sk, st, modes, objective, period_limit, joint)
+        return self._split_dp(sk, st, modes, objective, period_limit, joint)
 
     def free_period(self, sk: Skeleton, st: Setting, modes: tuple[str, ...]) -> float:
         """The least period (slowest stage, seconds per micro-batch) any split of ``sk``
@@ -220,21 +211,12 @@ class Splitter:
         comm = tuple((self.tables.dp_affines(g, "all_gather"), self.tables.dp_affines(g, "reduce_scatter"))
                      for g in sk.groups) if z3 else None
         sp = st.sequence_parallel and any(k.tp > 1 for k in sk.kinds)
-        # On one device kind in one mode every split has the same total work, so the
-        # micro-batch count, which only trades period against total, is left out (except
-        # under ZeRO-3, whose exposed gathers make totals differ): the least period wins.
+        # Without memory the DP takes the least period, and the least total among the
+        # splits reaching it: the micro-batch count, which would only trade one against the
+        # other, is left out (except under ZeRO-3 with few micro-batches, where the DP scans
+        # the trade). Mixed pipelines are cached the same way (keyed by their kinds in order).
         m = st.num_micro_batches
         key = (sk.kinds, st.micro_batch, sp, v, modes[0], comm, m if z3 and m < 4 * sk.pp else None)
-        if len(set(sk.kinds)) > 1:
-            # A mixed pipeline is seen again by the same candidate's other attempts (and
-            # its other ZeRO stages and schedules), mostly under the same period limit:
-            # cached under exactly that limit.
-            key = key + (period_limit,)
-            hit = self._free_mixed.get(key)
-            if hit is None:
-                hit = self._free_mixed[key] = (self._split_dp(sk, st, modes[:1], "time", period_limit, False,
-                                                              unlimited=True),)
-            return hit[0]
         # Cached with the period limit it was computed under: a split within that limit is
         # the least period under any limit; "none within this limit" (None, or a split
         # over it) also holds for every smaller limit.
