@@ -885,6 +885,21 @@ class LayerCheck:
 AMP_PROFILE_DEVICES = {"T4": "T4-16GB", "V100": "V100-SXM2-16GB"}
 
 
+def write_fitted(stack_name: str, values: dict, sources: dict) -> None:
+    """Write fitted figures (file keys -> values) and their sources into a shipped stack file,
+    keeping its key order (a new key goes before ``sources``), and drop the cached stacks."""
+    path = STACK_DIR / f"{stack_name}.json"
+    data = json.loads(path.read_text())
+    fresh = {k: v for k, v in values.items() if k not in data}
+    data.update({k: v for k, v in values.items() if k in data})
+    sourced = data.pop("sources", {})
+    data.update(fresh)
+    data["sources"] = {**sourced, **sources}
+    path.write_text(json.dumps(data, indent=2) + "\n")
+    from autoplan import stacks
+    stacks._load.cache_clear()
+
+
 def fit_forward_host_time(stack_name: str = "megatron-deepspeed", dtype: str = "fp16") -> float:
     """The stack's forward host time per kernel, fitted on AMP's per-layer forward profiles
     (its fitting data; AMP's end-to-end trials only check it): the median over the profiles
@@ -895,18 +910,12 @@ def fit_forward_host_time(stack_name: str = "megatron-deepspeed", dtype: str = "
     for c, block in _amp_blocks(stack, dtype):
         per_kernel.append((c.measured_ms - c.predicted_tp_ms) * 1e-3 / block.kernels_fwd)
     value = float(np.median(per_kernel))
-    path = STACK_DIR / f"{stack_name}.json"
-    data = json.loads(path.read_text())
-    data["forward_host_us_per_kernel"] = round(value * 1e6, 1)
-    data.setdefault("sources", {})["forward_host_us_per_kernel"] = (
+    write_fitted(stack_name, {"forward_host_us_per_kernel": round(value * 1e6, 1)}, {"forward_host_us_per_kernel": (
         f"fitted on AMP's per-layer forward profiles of a GPT-2 block on T4 and V100 (PyTorch 1.7, Megatron-LM v1.1.5 "
         f"model code; `python benchmarks/published/validate.py --fit`): the median over {len(per_kernel)} profiles "
         "of (measured forward - predicted tensor-parallel all-reduce) / the block's forward kernels; they run "
         "3-9x the GPU's roofline at micro-batch 1 whatever the GPU, as host-bound work does. AMP's end-to-end "
-        "trials only check it")
-    path.write_text(json.dumps(data, indent=2) + "\n")
-    from autoplan import stacks
-    stacks._load.cache_clear()
+        "trials only check it")})
     return value
 
 

@@ -41,7 +41,7 @@ sys.path.insert(0, str(ROOT))
 
 import autoplan  # noqa: E402
 from autoplan.errors import ConfigError  # noqa: E402
-from autoplan.stacks import STACK_DIR, get_stack  # noqa: E402
+from autoplan.stacks import get_stack  # noqa: E402
 from benchmarks.published import tables  # noqa: E402
 from costmodel import estimate  # noqa: E402
 
@@ -312,19 +312,13 @@ def fit_aa_scaling(df: pd.DataFrame) -> tuple[float, float]:
     _, agree, a, value = best
     print(f"  best on {len(ran)} fitting runs: activation_scale={a:g}, loss_peak_bytes_per_logit={value:g} "
           f"({agree:.1%} fits/OOM agreement)")
-    path = STACK_DIR / "aa-scaling.json"
-    data = json.loads(path.read_text())
-    data["activation_scale"] = a
-    data["loss_peak_bytes_per_logit"] = value
     why = (f"fitted jointly with {{other}} on a grid, for the best fits/OOM agreement ({agree:.1%}) over the "
            f"{len(ran)} Llama-13B runs of Hagemann et al. 2023 (`python benchmarks/published/validate.py --fit`); "
            "the Llama-30B and 65B runs only check it")
-    data["sources"]["activation_scale"] = why.format(other="loss_peak_bytes_per_logit") + \
-        "; the stack's model code keeps more than the zoo's measured Llama layers"
-    data["sources"]["loss_peak_bytes_per_logit"] = why.format(other="activation_scale")
-    path.write_text(json.dumps(data, indent=2) + "\n")
-    from autoplan import stacks
-    stacks._load.cache_clear()
+    tables.write_fitted("aa-scaling", {"activation_scale": a, "loss_peak_bytes_per_logit": value}, {
+        "activation_scale": why.format(other="loss_peak_bytes_per_logit")
+        + "; the stack's model code keeps more than the zoo's measured Llama layers",
+        "loss_peak_bytes_per_logit": why.format(other="activation_scale")})
     return a, value
 
 
@@ -454,22 +448,10 @@ def fit_autoplan_activation_scale() -> float:
         score = sum(err)
         if best is None or score < best[0]:
             best = (score, float(a))
-    path = STACK_DIR / "autoplan.json"
-    data = json.loads(path.read_text())
-    items = list(data.items())
-    data = {}
-    for k, v in items:
-        if k == "loss_saved_bytes_per_logit" and "activation_scale" not in dict(items):
-            data["activation_scale"] = best[1]
-        data[k] = v
-    data["activation_scale"] = best[1]
-    data["sources"]["activation_scale"] = (
+    tables.write_fitted("autoplan", {"activation_scale": best[1]}, {"activation_scale": (
         "fitted (least squares on log peak allocated memory) to the Llama-3.2-1B sweep "
         "benchmarks/results/gpu/h100/memory_runs.csv; the GPT-2-medium and GPT-3-2.7B sweeps only check it. "
-        "Under autocast the residual stream stays fp32, so norms save fp32 inputs the zoo's bf16 layers do not")
-    path.write_text(json.dumps(data, indent=2) + "\n")
-    from autoplan import stacks
-    stacks._load.cache_clear()
+        "Under autocast the residual stream stays fp32, so norms save fp32 inputs the zoo's bf16 layers do not")})
     print(f"  autoplan activation_scale fitted: {best[1]:g}")
     return best[1]
 
