@@ -264,7 +264,9 @@ def _numbers_finite(obj) -> None:
 
 
 def _ok_stack(stack) -> None:
+    from autoplan.stacks import ATTENTION_KERNELS, GRAD_COLLECTIVES
     _numbers_finite(stack)
+    assert stack.attention in ATTENTION_KERNELS and stack.sharded_grad_collective in GRAD_COLLECTIVES
 
 
 def _ok_calibration(cal) -> None:
