@@ -177,7 +177,11 @@ def simulate(program: ScheduleProgram, costs: list[StageCosts], optimizer: list[
                 start = max(comm_free, started[a])
                 end = max(start + r, finish[a] + r / max(costs[stage].layers, 1))
             else:
-                start = max(comm_free, finish[a])
+                # Without overlap the engines reduce after the whole schedule has run
+                # (Megatron-LM's finalize_model_grads, DeepSpeed's reduce after the
+                # pipeline flush, AA-Scaling's optimizer step): an interleaved rank's
+                # early-finished chunks wait for its last backward too.
+                start = max(comm_free, compute_end[g])
                 end = start + r
             if timeline:
                 events.append(Event(g, "reduce", stage, -1, end - r, end))

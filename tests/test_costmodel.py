@@ -167,3 +167,27 @@ def test_simulation_without_timeline_keeps_every_time(schedule, pp, m, v, blocki
     for field in ("iteration_time", "compute_end", "busy", "tp_comm", "comm_end", "rank_end",
                   "peak_activation_bytes", "critical_rank", "optimizer"):
         assert getattr(lean, field) == getattr(full, field), field
+
+
+@pytest.mark.parametrize("schedule,pp,m,v", [
+    ("1f1b", 4, 8, 1), ("interleaved-1f1b", 2, 4, 2), ("interleaved-1f1b", 4, 8, 3), ("zero-bubble", 4, 8, 1)],
+    ids=["1f1b", "interleaved-v2", "interleaved-v3", "zero-bubble"])
+def test_gradients_without_overlap_are_reduced_after_the_whole_schedule(schedule, pp, m, v):
+    """Without overlap the engines reduce once the schedule has run (Megatron-LM's
+    finalize_model_grads, DeepSpeed's pipeline flush): no chunk's reduction hides behind
+    the rank's remaining compute, however early its last backward ran."""
+    from autoplan.schedule import _build
+    from costmodel.simulate import StageCosts, simulate
+    S = pp * v
+    program = _build(schedule, pp, m, v, tuple(j % pp for j in range(S)))
+    costs = [StageCosts(forward=1.0, backward=2.0, backward_input=1.1, backward_weight=0.9,
+                        send_forward=0.05 if j < S - 1 else 0.0, send_backward=0.05 if j else 0.0,
+                        activation_bytes=1e6, grad_reduce=0.3 + 0.1 * j, layers=2) for j in range(S)]
+    opt = [0.5] * pp
+    after = simulate(program, costs, opt, False)
+    overlapped = simulate(program, costs, opt, True)
+    for g in range(pp):
+        reduce = sum(c.grad_reduce for c in costs[g::pp])
+        assert after.comm_end[g] == pytest.approx(after.compute_end[g] + reduce)
+        assert after.rank_end[g] == pytest.approx(after.comm_end[g] + opt[g])
+        assert after.rank_end[g] >= overlapped.rank_end[g] - 1e-12
