@@ -147,19 +147,26 @@ def test_korthikanti_22b_row_within_15_percent():
     assert est.iteration_time_s == pytest.approx(1.10, rel=0.15)  # Korthikanti et al. 2022, Table 5
 
 
+def _toy_stage_costs(S: int) -> list:
+    """Stage costs that differ per stage (so no schedule is accidentally symmetric)."""
+    from costmodel.simulate import StageCosts
+    return [StageCosts(forward=1.0 + 0.1 * j, backward=2.0 + 0.2 * j, backward_input=1.1 + 0.1 * j,
+                       backward_weight=0.9 + 0.1 * j, send_forward=0.05 if j < S - 1 else 0.0,
+                       send_backward=0.04 if j else 0.0, activation_bytes=1e6 * (j + 1),
+                       grad_reduce=0.3 + 0.1 * j, layers=2, tp_comm_forward=0.01, tp_comm_backward=0.02)
+            for j in range(S)]
+
+
 @pytest.mark.parametrize("schedule,pp,m,v,blocking", [
     ("1f1b", 4, 8, 1, True), ("gpipe", 3, 4, 1, False), ("interleaved-1f1b", 2, 4, 2, True),
     ("zero-bubble", 4, 8, 1, False)], ids=["1f1b", "gpipe", "interleaved", "zero-bubble"])
 def test_simulation_without_timeline_keeps_every_time(schedule, pp, m, v, blocking):
     """The search asks the simulator for times only; what it skips is the event list."""
     from autoplan.schedule import _build
-    from costmodel.simulate import StageCosts, simulate
+    from costmodel.simulate import simulate
     S = pp * v
     program = _build(schedule, pp, m, v, tuple(j % pp for j in range(S)))
-    costs = [StageCosts(forward=1.0 + 0.1 * j, backward=2.0 + 0.2 * j, backward_input=1.1 + 0.1 * j,
-                        backward_weight=0.9 + 0.1 * j, send_forward=0.05 if j < S - 1 else 0.0,
-                        send_backward=0.04 if j else 0.0, activation_bytes=1e6 * (j + 1), grad_reduce=0.3,
-                        layers=2, tp_comm_forward=0.01, tp_comm_backward=0.02) for j in range(S)]
+    costs = _toy_stage_costs(S)
     opt, post = [0.5] * pp, [0.1] * pp
     full = simulate(program, costs, opt, True, post, blocking_p2p=blocking)
     lean = simulate(program, costs, opt, True, post, blocking_p2p=blocking, timeline=False)
@@ -177,12 +184,10 @@ def test_gradients_without_overlap_are_reduced_after_the_whole_schedule(schedule
     finalize_model_grads, DeepSpeed's pipeline flush): no chunk's reduction hides behind
     the rank's remaining compute, however early its last backward ran."""
     from autoplan.schedule import _build
-    from costmodel.simulate import StageCosts, simulate
+    from costmodel.simulate import simulate
     S = pp * v
     program = _build(schedule, pp, m, v, tuple(j % pp for j in range(S)))
-    costs = [StageCosts(forward=1.0, backward=2.0, backward_input=1.1, backward_weight=0.9,
-                        send_forward=0.05 if j < S - 1 else 0.0, send_backward=0.05 if j else 0.0,
-                        activation_bytes=1e6, grad_reduce=0.3 + 0.1 * j, layers=2) for j in range(S)]
+    costs = _toy_stage_costs(S)
     opt = [0.5] * pp
     after = simulate(program, costs, opt, False)
     overlapped = simulate(program, costs, opt, True)
