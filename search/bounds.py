@@ -84,6 +84,7 @@ class Bounds:
         self._mixed_periods: dict = {}
         self._contexts: dict = {}
         self._per_sample: dict = {}
+        self._regular: dict = {}
         self._shaped: dict = {}
         self._runs: dict = {}
         cluster = tables.cluster
@@ -164,6 +165,21 @@ class Bounds:
             return None
         return a[1:], b[1:], a[0] % self._gpn, b[0] - a[0]
 
+    def _shape_groups(self, sk: Skeleton) -> list:
+        """One group of ``sk`` per distinct shape of its data-parallel groups (on nodes of
+        consecutive ranks a run of consecutive ranks' collectives depend only on its size,
+        degrees and offset in its node); every group where that does not apply."""
+        if not self._consecutive_nodes:
+            return list(sk.groups)
+        out, seen = [], set()
+        for g in sk.groups:
+            run = self._run_of(g)
+            key = (run[1:], run[0] % self._gpn) if run is not None else id(g)
+            if key not in seen:
+                seen.add(key)
+                out.append(g)
+        return out
+
     def _run_of(self, group) -> tuple | None:
         """(first rank, ranks, tp, replicas) of a group whose ranks are consecutive, else None."""
         hit = self._runs.get(id(group))
@@ -177,6 +193,11 @@ class Bounds:
         """The pipeline's device kinds with how many groups have each."""
         hit = self._kinds.get(sk_id)
         if hit is None:
+            first = sk.kinds[0]
+            if all(k is first for k in sk.kinds):
+                # (One kind object for every group, the usual case: no hashing.)
+                hit = self._kinds[sk_id] = [(first, len(sk.kinds))]
+                return hit
             counts: dict[Kind, int] = {}
             for k in sk.kinds:
                 counts[k] = counts.get(k, 0) + 1
@@ -225,8 +246,8 @@ class Bounds:
         """Smallest (alpha, beta) of the all-gather and reduce-scatter over the pipeline's groups."""
         hit = self._z3.get(sk_id)
         if hit is None:
-            ag = [ab for g in sk.groups for ab in self.tables.dp_affines(g, "all_gather")]
-            rs = [ab for g in sk.groups for ab in self.tables.dp_affines(g, "reduce_scatter")]
+            ag = [ab for g in self._shape_groups(sk) for ab in self.tables.dp_affines(g, "all_gather")]
+            rs = [ab for g in self._shape_groups(sk) for ab in self.tables.dp_affines(g, "reduce_scatter")]
             hit = self._z3[sk_id] = (min(a for a, _ in ag), min(b for _, b in ag),
                                      min(a for a, _ in rs), min(b for _, b in rs))
         return hit
@@ -268,7 +289,11 @@ class Bounds:
         in-flight counts stop depending on m once it reaches twice the depth."""
         P, m = sk.pp, st.num_micro_batches
         gpipe = st.schedule == "gpipe"
-        key = (ctx.who, st.micro_batch, st.sequence_parallel, st.zero, m if gpipe or m < 2 * P else None,
+        who = ctx.who
+        if st.zero == 0 and ctx.one_kind:
+            # Unsharded states do not depend on the number of shards.
+            who = (who[0], who[1], who[2] > 1, who[3])
+        key = (who, st.micro_batch, st.sequence_parallel, st.zero, m if gpipe or m < 2 * P else None,
                st.virtual_stages, gpipe)
         hit = self._extra.get(key)
         if hit is None:
@@ -502,11 +527,46 @@ class Bounds:
         return hit
 
     def _comm_prefix_of(self, sk_id: int, sk: Skeleton, b: int, out: float) -> tuple[list[float], float]:
-        key = (sk_id, b)
+        key = (sk_id, b, out)
         hit = self._pairs.get(key)
         if hit is None:
-            hit = self._pairs[key] = self._comm_prefix(sk, out)
+            regular = self._regular.get(sk_id)
+            if regular is None:
+                regular = self._regular[sk_id] = self._regular_key(sk)
+            hit = self._pairs[key] = self._comm_prefix(sk, out) if regular is False \
+                else self._regular_prefix(sk, regular, out)
         return hit
+
+    def _regular_key(self, sk: Skeleton):
+        """For a pipeline of runs of consecutive ranks of one shape, each starting where the
+        previous one ends, on nodes of consecutive ranks: (the runs' shape, the first rank's
+        offset in its node), which decide every boundary's sends; else False."""
+        first = self._run_of(sk.groups[0]) if self._consecutive_nodes else None
+        if first is None:
+            return False
+        start, n = first[0], first[1]
+        for p, g in enumerate(sk.groups):
+            run = self._run_of(g)
+            if run is None or run[1:] != first[1:] or run[0] != start + p * n:
+                return False
+        return first[1:], start % self._gpn
+
+    def _regular_prefix(self, sk: Skeleton, regular, out: float) -> tuple[list[float], float]:
+        """_comm_prefix for a regular pipeline (see _regular_key): every pipeline of that
+        shape and offset shares the prefix sums (grown as deeper ones ask) and, per depth,
+        the wrap-around boundary."""
+        P = sk.pp
+        chain = self._chains.get((regular, out))
+        if chain is None:
+            chain = self._chains[(regular, out)] = ([0.0], {})
+        prefix, wraps = chain
+        while len(prefix) < P:
+            g = len(prefix)
+            prefix.append(prefix[-1] + self._boundary(sk.groups[g - 1], sk.groups[g], out))
+        wrap = wraps.get(P)
+        if wrap is None:
+            wrap = wraps[P] = self._boundary(sk.groups[P - 1], sk.groups[0], out)
+        return prefix, wrap
 
     def time_bound(self, sk_id: int, sk: Skeleton, st: Setting, period_floor: float = 0.0) -> float:
         """Lower bound on the closed-form time of any split (INF: nothing can fit).
