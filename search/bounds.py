@@ -412,27 +412,24 @@ class Bounds:
         alpha = np.where(ok, alpha, 0.0)
         beta = np.where(ok, beta * budget, INF)      # (a vertex left out never is the least)
 
-        def capacity(taus: np.ndarray) -> np.ndarray:
-            return ((alpha[:, :, None] * taus[None, None, :] + beta[:, :, None]).min(axis=1)
-                    * mult[:, None]).sum(axis=0)
-
-        # The least tau whose capacity reaches every unit, from below: a grid, then a finer
-        # grid inside the bracket; the bracket's lower end is the (valid) answer.
-        lo, hi = 0.0, count * float(cost.max())
-        for _ in range(64):
-            if capacity(np.array([hi]))[0] >= count:
+        # The least tau whose capacity reaches every unit. capacity(tau) is concave and
+        # increasing (a sum of minima of lines); the sum of the lines active at tau lies on
+        # or above it everywhere, so that sum's root is at most the answer, and at least tau
+        # when capacity(tau) falls short: iterating from 0 climbs to the answer from below
+        # (Newton's method on a concave function), exactly once the active lines are right.
+        rows = np.arange(len(ns))
+        tau = 0.0
+        for _ in range(4 * (alpha.shape[1] + 1) * len(ns) + 8):
+            active = (alpha * tau + beta).argmin(axis=1)
+            slope = float((alpha[rows, active] * mult).sum())
+            level = float((beta[rows, active] * mult).sum())
+            if slope * tau + level >= count or slope <= 0.0:
                 break
-            lo, hi = hi, 2 * hi   # (rounding only: capacity(hi) < count says tau > hi)
-        else:
-            return lo
-        for _ in range(3):
-            taus = np.linspace(lo, hi, 65)
-            reach = np.nonzero(capacity(taus) >= count)[0]
-            i = int(reach[0])
-            if i == 0:
+            nxt = (count - level) / slope
+            if not nxt > tau:
                 break
-            lo, hi = float(taus[i - 1]), float(taus[i])
-        return lo
+            tau = nxt
+        return tau * (1.0 - 1e-12)   # (a lower bound: rounding must not lift it above)
 
     def _virtual_unit(self, kind: Kind, b: int, sp: bool, shards: int, zero: int):
         """(cost[q], memory[q] per micro-batch of activations, states, count) of the virtual
