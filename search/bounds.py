@@ -142,12 +142,15 @@ class Bounds:
         hit = self._comm.get(pkey)
         if hit is None:
             shape = self._pair_shape(src, dst)
-            cost = self._shaped.get((shape, out)) if shape is not None else None
-            if cost is None:
+            if shape is None:
                 p2p = self.tables.p2p_classes
                 cost = _p2p_eval(p2p(src, dst), out) + _p2p_eval(p2p(dst, src), out)
-                if shape is not None:
-                    self._shaped[(shape, out)] = cost
+            else:
+                classes = self._shaped.get(shape)
+                if classes is None:
+                    p2p = self.tables.p2p_classes
+                    classes = self._shaped[shape] = (p2p(src, dst), p2p(dst, src))
+                cost = _p2p_eval(classes[0], out) + _p2p_eval(classes[1], out)
             hit = self._comm[pkey] = (cost, src, dst)   # (the groups kept alive: ids stay theirs)
         return hit[0]
 
