@@ -349,9 +349,9 @@ class Splitter:
         if one_period and not unlimited:
             memo_key = (S, mode_key, tuple((k, tuple((r, tuple(js)) for r, js in e[4].items()))
                                            for k, e in alike.items()))
-            known = self._recall(memo_key, period_limit)
-            if known is not False:
-                return known
+            remembered = self._recall(memo_key, period_limit)
+            if remembered is not False:
+                return remembered
         self.runs += 1
         costs = np.empty((S, L + 1, K))
         choices = np.empty((S, L + 1, K), dtype=np.int8)
