@@ -362,7 +362,9 @@ class Bounds:
         ``max sum_q y_q`` subject to ``sum_q c_q y_q <= tau`` and ``sum_q (s + n_g a_q) y_q
         <= B_g`` (``y_q``: units in mode ``q``, fractional); the least ``tau`` at which the
         ranks together can take every unit bounds the period of every real split, whose
-        ranks also balance work against memory but in whole units."""
+        ranks also balance work against memory but in whole units. Without interleaving a
+        rank holds one stage and a stage has one recompute mode, so there ``k_g(tau)`` is
+        the best single mode's (see _single_mode_period), not a mix."""
         if len(set(sk.kinds)) > 1 or sk.pp == 1:
             return 0.0
         P, m, v = sk.pp, st.num_micro_batches, st.virtual_stages
@@ -397,6 +399,8 @@ class Bounds:
         mem = states + ns[:, None] * act[None, :]                      # (counts, modes)
         if float((budget / mem.min(axis=1) * mult).sum()) < count:
             return INF                     # even all in the leanest mode does not fit
+        if st.virtual_stages == 1:
+            return _single_mode_period(cost, budget / mem, mult, count)
         # k_g(tau) by LP duality: the least of alpha * tau + beta * B_g over the dual's
         # vertices, where two of alpha c_q + beta d_q >= 1, alpha >= 0, beta >= 0 are tight.
         Q = len(cost)
@@ -668,6 +672,26 @@ class _Context:
     """Zero-bubble: the share of a stage's work on the critical chain."""
     zb_fill: float
     """Zero-bubble's least fill over the kinds."""
+
+
+def _single_mode_period(cost: np.ndarray, most: np.ndarray, mult: np.ndarray, count: int) -> float:
+    """memory_period where each rank holds one stage, so one recompute mode: a rank that
+    holds ``most[i, q]`` virtual units in mode ``q`` at the most takes ``k_i(tau) = max_q
+    min(tau / cost[q], most[i, q])`` units at period ``tau`` (``mult[i]`` ranks alike); the
+    least ``tau`` at which they take ``count`` units. The total is continuous, increasing
+    and linear between the kinks ``cost[q] * most[i, q']`` (every place a min or the max
+    can switch), so the answer is interpolated exactly between the two kinks around it."""
+    kinks = np.unique((cost[None, :, None] * most[:, None, :]).ravel())
+    kinks = kinks[np.isfinite(kinks) & (kinks > 0)]
+    reach = (np.minimum(kinks[:, None, None] / cost[None, None, :], most[None]).max(axis=2)
+             * mult[None, :]).sum(axis=1)
+    i = int(np.searchsorted(reach >= count, True))   # (the last kink holds every rank's most)
+    if i >= len(kinks):
+        return float(kinks[-1]) if len(kinks) else 0.0
+    lo_t, lo_v = (float(kinks[i - 1]), float(reach[i - 1])) if i > 0 else (0.0, 0.0)
+    hi_t, hi_v = float(kinks[i]), float(reach[i])
+    tau = hi_t if hi_v <= lo_v else lo_t + (count - lo_v) * (hi_t - lo_t) / (hi_v - lo_v)
+    return max(lo_t, tau * (1.0 - 1e-12))   # (a lower bound: rounding must not lift it above)
 
 
 def _p2p_eval(classes: tuple[tuple[float, float, int], ...], nbytes: float) -> float:
