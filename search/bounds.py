@@ -90,8 +90,8 @@ class Bounds:
         cluster = tables.cluster
         self._gpn = cluster.groups[0].gpus_per_node
         # (Pair classes by shape need node n to hold ranks n * gpn .. n * gpn + gpn - 1.)
-        self._consecutive_nodes = len(cluster.groups) == 1 and bool(
-            (tables._node_of == np.arange(len(tables._node_of)) // self._gpn).all())
+        self._consecutive_nodes = len(cluster.groups) == 1 and all(
+            slot.node == r // self._gpn for r, slot in enumerate(cluster.slots))
 
     def summary(self, kind: Kind, b: int, sp: bool) -> KindSummary:
         key = (kind, b, sp and kind.tp > 1)
