@@ -82,6 +82,16 @@ class Bounds:
         self._chains: dict = {}
         self._unit: dict = {}
         self._mixed_periods: dict = {}
+        self._contexts: dict = {}
+        self._per_sample: dict = {}
+        self._regular: dict = {}
+        self._shaped: dict = {}
+        self._runs: dict = {}
+        cluster = tables.cluster
+        self._gpn = cluster.groups[0].gpus_per_node
+        # (Pair classes by shape need node n to hold ranks n * gpn .. n * gpn + gpn - 1.)
+        self._consecutive_nodes = len(cluster.groups) == 1 and all(
+            slot.node == r // self._gpn for r, slot in enumerate(cluster.slots))
 
     def summary(self, kind: Kind, b: int, sp: bool) -> KindSummary:
         key = (kind, b, sp and kind.tp > 1)
@@ -95,16 +105,6 @@ class Bounds:
         hit = _summarize(cost, act, float(t.cum_params[self.L]), t, _zb_fill(t, qs[0]))
         self._kind[key] = hit
         return hit
-
-    def _comm_bound(self, sk_id: int, sk: Skeleton, b: int, v: int, out: float) -> float:
-        P = sk.pp
-        key = (sk_id, b)
-        hit = self._pairs.get(key)
-        if hit is None:
-            hit = self._pairs[key] = self._comm_prefix(sk, out)
-        prefix, wrap = hit
-        full, rest = divmod(P * v - 1, P)
-        return full * (prefix[P - 1] + wrap) + prefix[rest]
 
     def _comm_prefix(self, sk: Skeleton, out: float) -> tuple[list[float], float]:
         """(prefix, wrap): prefix[g] = summed cost of the boundaries (0, 1) .. (g - 1, g),
@@ -141,15 +141,66 @@ class Bounds:
         pkey = (id(src), id(dst), out)
         hit = self._comm.get(pkey)
         if hit is None:
-            p2p = self.tables.p2p_classes
-            cost = _p2p_eval(p2p(src, dst), out) + _p2p_eval(p2p(dst, src), out)
+            shape = self._pair_shape(src, dst)
+            if shape is None:
+                p2p = self.tables.p2p_classes
+                cost = _p2p_eval(p2p(src, dst), out) + _p2p_eval(p2p(dst, src), out)
+            else:
+                classes = self._shaped.get(shape)
+                if classes is None:
+                    p2p = self.tables.p2p_classes
+                    classes = self._shaped[shape] = (p2p(src, dst), p2p(dst, src))
+                cost = _p2p_eval(classes[0], out) + _p2p_eval(classes[1], out)
             hit = self._comm[pkey] = (cost, src, dst)   # (the groups kept alive: ids stay theirs)
         return hit[0]
+
+    def _pair_shape(self, src, dst) -> tuple | None:
+        """On a cluster of one node group whose nodes hold consecutive ranks, between groups
+        that are runs of consecutive ranks: what a transfer's cost depends on. Replica i's
+        shard t goes from rank first_src + i * tp_src + t to first_dst + i * tp_dst + t; the
+        pair's link (same node or not) follows from the sender's offset in its node and the
+        distance, so the groups' sizes and degrees, the sender's offset and the distance
+        decide every pair class (None: look the groups up rank by rank)."""
+        if not self._consecutive_nodes:
+            return None
+        a, b = self._run_of(src), self._run_of(dst)
+        if a is None or b is None:
+            return None
+        return a[1:], b[1:], a[0] % self._gpn, b[0] - a[0]
+
+    def _shape_groups(self, sk: Skeleton) -> list:
+        """One group of ``sk`` per distinct shape of its data-parallel groups (on nodes of
+        consecutive ranks a run of consecutive ranks' collectives depend only on its size,
+        degrees and offset in its node); every group where that does not apply."""
+        if not self._consecutive_nodes:
+            return list(sk.groups)
+        out, seen = [], set()
+        for g in sk.groups:
+            run = self._run_of(g)
+            key = (run[1:], run[0] % self._gpn) if run is not None else id(g)
+            if key not in seen:
+                seen.add(key)
+                out.append(g)
+        return out
+
+    def _run_of(self, group) -> tuple | None:
+        """(first rank, ranks, tp, replicas) of a group whose ranks are consecutive, else None."""
+        hit = self._runs.get(id(group))
+        if hit is None or hit[0] is not group:
+            r = group.ranks
+            run = (r[0], len(r), group.tp, group.dp * group.cp) if r == tuple(range(r[0], r[0] + len(r))) else None
+            hit = self._runs[id(group)] = (group, run)
+        return hit[1]
 
     def _distinct(self, sk_id: int, sk: Skeleton) -> list[tuple[Kind, int]]:
         """The pipeline's device kinds with how many groups have each."""
         hit = self._kinds.get(sk_id)
         if hit is None:
+            first = sk.kinds[0]
+            if all(k is first for k in sk.kinds):
+                # (One kind object for every group, the usual case: no hashing.)
+                hit = self._kinds[sk_id] = [(first, len(sk.kinds))]
+                return hit
             counts: dict[Kind, int] = {}
             for k in sk.kinds:
                 counts[k] = counts.get(k, 0) + 1
@@ -198,8 +249,8 @@ class Bounds:
         """Smallest (alpha, beta) of the all-gather and reduce-scatter over the pipeline's groups."""
         hit = self._z3.get(sk_id)
         if hit is None:
-            ag = [ab for g in sk.groups for ab in self.tables.dp_affines(g, "all_gather")]
-            rs = [ab for g in sk.groups for ab in self.tables.dp_affines(g, "reduce_scatter")]
+            ag = [ab for g in self._shape_groups(sk) for ab in self.tables.dp_affines(g, "all_gather")]
+            rs = [ab for g in self._shape_groups(sk) for ab in self.tables.dp_affines(g, "reduce_scatter")]
             hit = self._z3[sk_id] = (min(a for a, _ in ag), min(b for _, b in ag),
                                      min(a for a, _ in rs), min(b for _, b in rs))
         return hit
@@ -228,32 +279,35 @@ class Bounds:
             hit = self._count_stats[id(counts)] = (counts, sum(1.0 / n for n in counts), max(counts), min(counts))
         return hit[1:]
 
-    def recompute_extra(self, sk_id: int, sk: Skeleton, st: Setting, s: KindSummary) -> float:
+    def recompute_extra(self, sk_id: int, sk: Skeleton, st: Setting) -> float:
         """Least recompute time (per micro-batch, summed over stages) any split needs to
         fit; INF when no split can fit. On a mixed pipeline every unit is taken at its
         cheapest and smallest over the pipeline's kinds (a relaxation)."""
-        P = sk.pp
+        return self._extra_in(self._context(sk_id, sk, st.micro_batch, st.sequence_parallel), sk_id, sk, st)
+
+    def _extra_in(self, ctx: "_Context", sk_id: int, sk: Skeleton, st: Setting) -> float:
+        """recompute_extra() with the skeleton's part of its key read off its context: a
+        one-kind pipeline depends on its skeleton only through the kind, the depth and the
+        shards (which all its groups share), so many skeletons share the result; the
+        in-flight counts stop depending on m once it reaches twice the depth."""
+        P, m = sk.pp, st.num_micro_batches
         gpipe = st.schedule == "gpipe"
-        # The in-flight counts stop depending on m once it reaches twice the depth.
-        m = st.num_micro_batches
-        # A one-kind pipeline depends on its skeleton only through the kind, the depth and
-        # the shards (which all its groups share): many skeletons share the result.
-        who = (sk.kinds[0], P, sk.shards, sk.groups[0].tp) if self._one_kind(sk_id, sk) else sk_id
+        who = ctx.who
+        if st.zero == 0 and ctx.one_kind:
+            # Unsharded states do not depend on the number of shards.
+            who = (who[0], who[1], who[2] > 1, who[3])
         key = (who, st.micro_batch, st.sequence_parallel, st.zero, m if gpipe or m < 2 * P else None,
                st.virtual_stages, gpipe)
         hit = self._extra.get(key)
         if hit is None:
-            hit = self._extra[key] = self._recompute_extra(sk_id, sk, st, s)
+            hit = self._extra[key] = self._recompute_extra(sk_id, sk, st, ctx.first, ctx.one_kind)
         return hit
 
-    def _one_kind(self, sk_id: int, sk: Skeleton) -> bool:
-        return len(self._distinct(sk_id, sk)) == 1
-
-    def _recompute_extra(self, sk_id: int, sk: Skeleton, st: Setting, s: KindSummary) -> float:
+    def _recompute_extra(self, sk_id: int, sk: Skeleton, st: Setting, s: KindSummary, one_kind: bool) -> float:
         P = sk.pp
         counts = self._counts_of(P, st.num_micro_batches, st.virtual_stages, st.schedule)
         states = None
-        if self._one_kind(sk_id, sk):
+        if one_kind:
             # Every rank has the same budget: sums over ranks are sums over the counts.
             cap = self.tables.capacity(sk.kinds[0].pool) - self.tables.fixed_bytes(sk.kinds[0].pool)
             inverse, most, least = self._count_sums(counts)
@@ -308,7 +362,9 @@ class Bounds:
         ``max sum_q y_q`` subject to ``sum_q c_q y_q <= tau`` and ``sum_q (s + n_g a_q) y_q
         <= B_g`` (``y_q``: units in mode ``q``, fractional); the least ``tau`` at which the
         ranks together can take every unit bounds the period of every real split, whose
-        ranks also balance work against memory but in whole units."""
+        ranks also balance work against memory but in whole units. Without interleaving a
+        rank holds one stage and a stage has one recompute mode, so there ``k_g(tau)`` is
+        the best single mode's (see _single_mode_period), not a mix."""
         if len(set(sk.kinds)) > 1 or sk.pp == 1:
             return 0.0
         P, m, v = sk.pp, st.num_micro_batches, st.virtual_stages
@@ -343,6 +399,8 @@ class Bounds:
         mem = states + ns[:, None] * act[None, :]                      # (counts, modes)
         if float((budget / mem.min(axis=1) * mult).sum()) < count:
             return INF                     # even all in the leanest mode does not fit
+        if st.virtual_stages == 1:
+            return _single_mode_period(cost, budget / mem, mult, count)
         # k_g(tau) by LP duality: the least of alpha * tau + beta * B_g over the dual's
         # vertices, where two of alpha c_q + beta d_q >= 1, alpha >= 0, beta >= 0 are tight.
         Q = len(cost)
@@ -361,27 +419,24 @@ class Bounds:
         alpha = np.where(ok, alpha, 0.0)
         beta = np.where(ok, beta * budget, INF)      # (a vertex left out never is the least)
 
-        def capacity(taus: np.ndarray) -> np.ndarray:
-            return ((alpha[:, :, None] * taus[None, None, :] + beta[:, :, None]).min(axis=1)
-                    * mult[:, None]).sum(axis=0)
-
-        # The least tau whose capacity reaches every unit, from below: a grid, then a finer
-        # grid inside the bracket; the bracket's lower end is the (valid) answer.
-        lo, hi = 0.0, count * float(cost.max())
-        for _ in range(64):
-            if capacity(np.array([hi]))[0] >= count:
+        # The least tau whose capacity reaches every unit. capacity(tau) is concave and
+        # increasing (a sum of minima of lines); the sum of the lines active at tau lies on
+        # or above it everywhere, so that sum's root is at most the answer, and at least tau
+        # when capacity(tau) falls short: iterating from 0 climbs to the answer from below
+        # (Newton's method on a concave function), exactly once the active lines are right.
+        rows = np.arange(len(ns))
+        tau = 0.0
+        for _ in range(4 * (alpha.shape[1] + 1) * len(ns) + 8):
+            active = (alpha * tau + beta).argmin(axis=1)
+            slope = float((alpha[rows, active] * mult).sum())
+            level = float((beta[rows, active] * mult).sum())
+            if slope * tau + level >= count or slope <= 0.0:
                 break
-            lo, hi = hi, 2 * hi   # (rounding only: capacity(hi) < count says tau > hi)
-        else:
-            return lo
-        for _ in range(3):
-            taus = np.linspace(lo, hi, 65)
-            reach = np.nonzero(capacity(taus) >= count)[0]
-            i = int(reach[0])
-            if i == 0:
+            nxt = (count - level) / slope
+            if not nxt > tau:
                 break
-            lo, hi = float(taus[i - 1]), float(taus[i])
-        return lo
+            tau = nxt
+        return tau * (1.0 - 1e-12)   # (a lower bound: rounding must not lift it above)
 
     def _virtual_unit(self, kind: Kind, b: int, sp: bool, shards: int, zero: int):
         """(cost[q], memory[q] per micro-batch of activations, states, count) of the virtual
@@ -407,9 +462,17 @@ class Bounds:
     def skeleton_bound(self, sk_id: int, sk: Skeleton, micro_batches: list[int],
                        sequence_parallel: tuple[bool, ...]) -> float:
         """A bound valid for every setting of the skeleton (the least of its
-        :meth:`micro_batch_bound` s)."""
-        return min((self.micro_batch_bound(sk_id, sk, b, sp) for b in micro_batches for sp in sequence_parallel),
-                   default=INF)
+        :meth:`micro_batch_bound` s). Skeletons of one sequence of kinds and depth share
+        the least period per sample over the micro-batch sizes they allow (every
+        data-parallel degree with the same sizes): it is found once."""
+        key = (tuple(self._distinct(sk_id, sk)), sk.pp, tuple(micro_batches), tuple(sequence_parallel))
+        per_sample = self._per_sample.get(key)
+        if per_sample is None:
+            per_sample = self._per_sample[key] = min(
+                (self._period(key[0], sk.pp, b, sp) / b for b in micro_batches for sp in sequence_parallel),
+                default=INF)
+        # (The same arithmetic as micro_batch_bound's, on the least factor: equal to its least.)
+        return per_sample * self.global_batch / sk.dp
 
     def micro_batch_bound(self, sk_id: int, sk: Skeleton, b: int, sp: bool) -> float:
         """A bound valid for every setting of the skeleton with micro-batch ``b`` and
@@ -420,18 +483,94 @@ class Bounds:
         key = (sk_id, b, sp)
         hit = self._mb_bound.get(key)
         if hit is None:
-            P = sk.pp
-            distinct = tuple(self._distinct(sk_id, sk))
-            # The period depends on the pipeline only through its kinds and depth (many
-            # skeletons share them: every data-parallel degree of a mesh shape).
-            pkey = (distinct, P, b, sp)
-            period = self._periods.get(pkey)
-            if period is None:
-                summ = [(self.summary(k, b, sp), n) for k, n in distinct]
-                period = 1.0 / sum(n / s.work for s, n in summ)
-                period = self._periods[pkey] = max(period, min(s.smallest[-(-self.L // P)] for s, _ in summ))
+            period = self._period(tuple(self._distinct(sk_id, sk)), sk.pp, b, sp)
             hit = self._mb_bound[key] = period / b * self.global_batch / sk.dp
         return hit
+
+    def _period(self, distinct: tuple, P: int, b: int, sp: bool) -> float:
+        """The least period of a pipeline of these (kind, groups) and depth, memory aside.
+        It depends on the pipeline only through them (many skeletons share them: every
+        data-parallel degree of a mesh shape)."""
+        pkey = (distinct, P, b, sp)
+        period = self._periods.get(pkey)
+        if period is None:
+            summ = [(self.summary(k, b, sp), n) for k, n in distinct]
+            period = 1.0 / sum(n / s.work for s, n in summ)
+            period = self._periods[pkey] = max(period, min(s.smallest[-(-self.L // P)] for s, _ in summ))
+        return period
+
+    def _context(self, sk_id: int, sk: Skeleton, b: int, sp: bool) -> "_Context":
+        """What every setting of one skeleton at micro-batch ``b`` (sequence parallelism
+        ``sp``) shares in its time bound: the kinds' summaries, the work spread over the
+        groups, the pigeonhole floor, the boundaries' sends (computed once, not once per
+        schedule, virtual-stage count and ZeRO stage)."""
+        key = (sk_id, b, sp)
+        hit = self._contexts.get(key)
+        if hit is not None:
+            return hit
+        P = sk.pp
+        kinds = self._distinct(sk_id, sk)
+        summ = [(self.summary(k, b, sp), n) for k, n in kinds]
+        one = len(summ) == 1
+        first = summ[0][0]
+        k_units = -(-self.L // P)
+        works = [s.work for s, _ in summ]
+        fastest = min(works)
+        out = first.out_bytes            # the table is per micro-batch already
+        prefix, wrap = self._comm_prefix_of(sk_id, sk, b, out) if P > 1 else ([0.0], 0.0)
+        hit = self._contexts[key] = _Context(
+            summaries=[s for s, _ in summ], first=first, one_kind=one,
+            who=(sk.kinds[0], P, sk.shards, sk.groups[0].tp) if one else sk_id,
+            spread=(fastest if one else None),
+            speed_share=(1.0 if one else sum(n * fastest / s.work for s, n in summ)),
+            pigeonhole=min(s.smallest[k_units] for s, _ in summ),
+            least_work=fastest,
+            prefix=prefix, wrap=wrap,
+            kappa=min(((s.work + s.zb_fill) / (2 * s.work) for s, _ in summ if s.work > 0), default=1.0),
+            zb_fill=min(s.zb_fill for s, _ in summ))
+        return hit
+
+    def _comm_prefix_of(self, sk_id: int, sk: Skeleton, b: int, out: float) -> tuple[list[float], float]:
+        key = (sk_id, b, out)
+        hit = self._pairs.get(key)
+        if hit is None:
+            regular = self._regular.get(sk_id)
+            if regular is None:
+                regular = self._regular[sk_id] = self._regular_key(sk)
+            hit = self._pairs[key] = self._comm_prefix(sk, out) if regular is False \
+                else self._regular_prefix(sk, regular, out)
+        return hit
+
+    def _regular_key(self, sk: Skeleton):
+        """For a pipeline of runs of consecutive ranks of one shape, each starting where the
+        previous one ends, on nodes of consecutive ranks: (the runs' shape, the first rank's
+        offset in its node), which decide every boundary's sends; else False."""
+        first = self._run_of(sk.groups[0]) if self._consecutive_nodes else None
+        if first is None:
+            return False
+        start, n = first[0], first[1]
+        for p, g in enumerate(sk.groups):
+            run = self._run_of(g)
+            if run is None or run[1:] != first[1:] or run[0] != start + p * n:
+                return False
+        return first[1:], start % self._gpn
+
+    def _regular_prefix(self, sk: Skeleton, regular, out: float) -> tuple[list[float], float]:
+        """_comm_prefix for a regular pipeline (see _regular_key): every pipeline of that
+        shape and offset shares the prefix sums (grown as deeper ones ask) and, per depth,
+        the wrap-around boundary."""
+        P = sk.pp
+        chain = self._chains.get((regular, out))
+        if chain is None:
+            chain = self._chains[(regular, out)] = ([0.0], {})
+        prefix, wraps = chain
+        while len(prefix) < P:
+            g = len(prefix)
+            prefix.append(prefix[-1] + self._boundary(sk.groups[g - 1], sk.groups[g], out))
+        wrap = wraps.get(P)
+        if wrap is None:
+            wrap = wraps[P] = self._boundary(sk.groups[P - 1], sk.groups[0], out)
+        return prefix, wrap
 
     def time_bound(self, sk_id: int, sk: Skeleton, st: Setting, period_floor: float = 0.0) -> float:
         """Lower bound on the closed-form time of any split (INF: nothing can fit).
@@ -440,29 +579,26 @@ class Bounds:
         # Gradients are reduced and ZeRO shards over the data x context ranks.
         P, dp, m, v = sk.pp, sk.shards, st.num_micro_batches, st.virtual_stages
         tables = self.tables
-        kinds = self._distinct(sk_id, sk)
-        summ = [(self.summary(k, st.micro_batch, st.sequence_parallel), n) for k, n in kinds]
-        extra = self.recompute_extra(sk_id, sk, st, summ[0][0])
+        ctx = self._context(sk_id, sk, st.micro_batch, st.sequence_parallel)
+        extra = self._extra_in(ctx, sk_id, sk, st)
         if extra == INF:
             return INF
-        if len(summ) > 1:
+        if ctx.one_kind:
+            period = (ctx.spread + extra) / P
+        else:
             period = self._mixed_period(sk_id, sk, st)
             if period == INF:
                 return INF
             # The recomputation memory forces, spread at each group's relative speed.
-            fastest = min(x.work for x, _ in summ)
-            period = max(period, (fastest + extra) / sum(n * fastest / x.work for x, n in summ))
-        else:
-            period = (summ[0][0].work + extra) / P
-        total = min(s.work for s, _ in summ) + extra
-        k_units = -(-self.L // P)
-        period = max(period, min(s.smallest[k_units] for s, _ in summ), period_floor)
+            period = max(period, (ctx.least_work + extra) / ctx.speed_share)
+        total = ctx.least_work + extra
+        period = max(period, ctx.pigeonhole, period_floor)
         # Every rank's work is part of the total.
         total = max(total, period)
-        summ = [s for s, _ in summ]
+        first = ctx.first
         if st.zero >= 3 and dp > 1:
             # Each stage costs at least its parameter gather + gradient scatter.
-            params, stack = summ[0].params, tables.stack
+            params, stack = first.params, tables.stack
             a_g, b_g, a_s, b_s = self._zero3(sk_id, sk)
             gs = (a_g + a_s) * P * v + (b_g * stack.gathered_weights_bytes_per_param
                                         + b_s * stack.grad_reduce_bytes_per_param) * params
@@ -471,11 +607,13 @@ class Bounds:
             bound = m * period
             if dp > 1 and st.zero < 3:
                 kind = tables.stack.grad_reduce_kind(st.zero)
-                bound += tables.dp_collective(sk.groups[0], summ[0].params * tables.stack.grad_reduce_bytes_per_param,
+                bound += tables.dp_collective(sk.groups[0], first.params * tables.stack.grad_reduce_bytes_per_param,
                                               kind) / self.L
-            return bound + summ[0].params / (dp if st.zero >= 1 else 1) * tables.optimizer_rate(sk.kinds[0].pool)
-        out = summ[0].out_bytes          # the table is per micro-batch already
-        comm = self._comm_bound(sk_id, sk, st.micro_batch, v, out)
+            return bound + first.params / (dp if st.zero >= 1 else 1) * tables.optimizer_rate(sk.kinds[0].pool)
+        # Every boundary is crossed once each way per chunk round (interleaved chunks also
+        # cross from the last group back to the first).
+        full, rest = divmod(P * v - 1, P)
+        comm = full * (ctx.prefix[P - 1] + ctx.wrap) + ctx.prefix[rest]
         if tables.options.blocking_p2p:
             # Blocking sends hold their rank: every rank's time per micro-batch includes them.
             total += comm
@@ -489,9 +627,7 @@ class Bounds:
             # T >= prefix_g + m W_g for every g, whose least max over splits equalizes the
             # terms: T = total / (1 - (1 - 1/m)^pp). Zero-bubble's weight-gradient passes
             # leave the chain, so there only a share kappa of each stage's work counts.
-            kappa = 1.0
-            if st.schedule == "zero-bubble":
-                kappa = min((x.work + x.zb_fill) / (2 * x.work) for x in summ if x.work > 0)
+            kappa = ctx.kappa if st.schedule == "zero-bubble" else 1.0
             chain = kappa * total
             if v == 1:
                 chain = max(chain, kappa * total / (1 - (1 - kappa / m) ** P))
@@ -501,10 +637,61 @@ class Bounds:
         elif st.schedule == "zero-bubble":
             # ZB-H1's bubble is sum(F + B_in - B_w) - max(...), and no stage's term
             # exceeds the period.
-            pipe = (m - 1) * period + min(s.zb_fill for s in summ)
+            pipe = (m - 1) * period + ctx.zb_fill
         else:
             pipe = (m - 1.0 / v) * period + total / v
         return pipe + comm
+
+
+@dataclass
+class _Context:
+    """What the time bounds of one skeleton at one micro-batch size share (see
+    :meth:`Bounds._context`)."""
+
+    summaries: list
+    """The KindSummary of each distinct device kind of the pipeline."""
+    first: KindSummary
+    """The first kind's (the only one on a pipeline of one kind)."""
+    one_kind: bool
+    """All groups of one device kind."""
+    who: object
+    """Key of the recompute bound: what it depends on of the skeleton."""
+    spread: float | None
+    """One kind: the whole model's work per micro-batch (divided by pp, the least period)."""
+    speed_share: float
+    """sum over groups of their speed relative to the fastest kind."""
+    pigeonhole: float
+    """The least work of the ceil(units / pp) units some stage must hold."""
+    least_work: float
+    """The least whole-model work per micro-batch over the kinds."""
+    prefix: list
+    """Sends of the consecutive boundaries, summed (see Bounds._comm_prefix)."""
+    wrap: float
+    """Sends of the boundary from the last group back to the first."""
+    kappa: float
+    """Zero-bubble: the share of a stage's work on the critical chain."""
+    zb_fill: float
+    """Zero-bubble's least fill over the kinds."""
+
+
+def _single_mode_period(cost: np.ndarray, most: np.ndarray, mult: np.ndarray, count: int) -> float:
+    """memory_period where each rank holds one stage, so one recompute mode: a rank that
+    holds ``most[i, q]`` virtual units in mode ``q`` at the most takes ``k_i(tau) = max_q
+    min(tau / cost[q], most[i, q])`` units at period ``tau`` (``mult[i]`` ranks alike); the
+    least ``tau`` at which they take ``count`` units. The total is continuous, increasing
+    and linear between the kinks ``cost[q] * most[i, q']`` (every place a min or the max
+    can switch), so the answer is interpolated exactly between the two kinks around it."""
+    kinks = np.unique((cost[None, :, None] * most[:, None, :]).ravel())
+    kinks = kinks[np.isfinite(kinks) & (kinks > 0)]
+    reach = (np.minimum(kinks[:, None, None] / cost[None, None, :], most[None]).max(axis=2)
+             * mult[None, :]).sum(axis=1)
+    i = int(np.searchsorted(reach >= count, True))   # (the last kink holds every rank's most)
+    if i >= len(kinks):
+        return float(kinks[-1]) if len(kinks) else 0.0
+    lo_t, lo_v = (float(kinks[i - 1]), float(reach[i - 1])) if i > 0 else (0.0, 0.0)
+    hi_t, hi_v = float(kinks[i]), float(reach[i])
+    tau = hi_t if hi_v <= lo_v else lo_t + (count - lo_v) * (hi_t - lo_t) / (hi_v - lo_v)
+    return max(lo_t, tau * (1.0 - 1e-12))   # (a lower bound: rounding must not lift it above)
 
 
 def _p2p_eval(classes: tuple[tuple[float, float, int], ...], nbytes: float) -> float:

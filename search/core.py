@@ -784,15 +784,18 @@ class _Search:
         ``modes``, or None. Interleaved chunks share their group's memory, so their DP works
         on per-chunk targets and the exact joint peak decides; the group-balanced split
         competes with the DP's. A simulated split whose busiest rank alone cannot beat
-        ``threshold`` is not simulated."""
+        ``threshold``, or the best split found here so far, is not simulated."""
         timed_splits: dict = {}
+        known: dict = {}   # (stage figures, shared by every split tried here)
+        best = None
 
         def timed(split):
             key = (split.bounds, split.recompute)
             if key in timed_splits:   # (the even interleaved split is checked before it is offered)
                 return timed_splits[key]
-            figs = stage_figures(self.tables, sk, st, split.bounds, split.recompute)
-            if sim and busy_bound(self.tables, sk, st, figs) >= threshold:
+            figs = stage_figures(self.tables, sk, st, split.bounds, split.recompute, known)
+            bar = threshold if best is None else min(threshold, best[1].time_s)
+            if sim and busy_bound(self.tables, sk, st, figs) >= bar:
                 self.stats.pruned_split_bound += 1
                 timed_splits[key] = None
                 return None
@@ -808,7 +811,6 @@ class _Search:
             tries = [lambda: self.splitter.split(sk, st, modes, period_limit=limit, joint=True),
                      lambda: self.splitter.balanced_interleave(sk, st, modes),
                      lambda: self._even_interleave(sk, st, modes, timed)]
-        best = None
         for attempt in (tries, [lambda: self.splitter.split(sk, st, modes, period_limit=limit)]):
             for make in attempt:
                 split = make()
@@ -831,7 +833,7 @@ class _Search:
                         break
         if best is not None and sim and program_actions(st, sk.pp) <= REFINE_ACTIONS \
                 and self.refine_left > 0 and best[1].time_s < REFINE_WINDOW * threshold:
-            best = self._refine(sk, st, *best, modes=modes)
+            best = self._refine(sk, st, *best, modes=modes, known=known)
         return best
 
     def _even_interleave(self, sk: Skeleton, st: Setting, modes: tuple[str, ...], timed) -> Split | None:
@@ -852,7 +854,7 @@ class _Search:
         return None
 
     def _refine(self, sk: Skeleton, st: Setting, split: Split, analysis, budget: int = REFINE_MOVES,
-                modes: tuple[str, ...] | None = None):
+                modes: tuple[str, ...] | None = None, known: dict | None = None):
         """Local search around the DP's split for short programs, which are timed by exact
         simulation: there the fill and drain, which the DP's period-first objective only
         approximates, decide. Moves: shift a run of consecutive stage boundaries by one
@@ -860,6 +862,7 @@ class _Search:
         change one stage's recompute mode; take the first improving move, repeat
         (deterministic)."""
         modes = modes or self.modes
+        known = {} if known is None else known   # (a move changes a stage or two: the rest are known)
         bounds, rec = list(split.bounds), list(split.recompute)
         best_t = analysis.time_s
         tried = 0
@@ -906,7 +909,7 @@ class _Search:
                 # Each rank runs its m micro-batches' work one after another, then its
                 # optimizer step: a move that cannot beat the incumbent even so, or does
                 # not fit, is not simulated.
-                figs = stage_figures(self.tables, sk, st, nb, nr)
+                figs = stage_figures(self.tables, sk, st, nb, nr, known)
                 if busy_bound(self.tables, sk, st, figs) >= best_t:
                     continue
                 self.refine_left -= 1

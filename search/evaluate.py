@@ -144,53 +144,69 @@ class StageFigures:
 
 
 def stage_figures(tables: Tables, sk: Skeleton, st: Setting, bounds: Sequence[tuple[int, int]],
-                  recompute: Sequence[str]) -> list[StageFigures]:
-    """Costs of every stage, as ``costmodel.estimate.stage_costs`` computes them."""
-    P, n = sk.pp, len(bounds)
-    stack = tables.stack
+                  recompute: Sequence[str], known: dict | None = None) -> list[StageFigures]:
+    """Costs of every stage, as ``costmodel.estimate.stage_costs`` computes them.
+    ``known``: figures already computed for this skeleton and setting, by (stage index,
+    start, end, mode, stages) -- a stage's figures depend on nothing else -- read and
+    filled (local search changes a stage or two per move)."""
+    n = len(bounds)
+    if known is None:
+        return [stage_figure(tables, sk, st, j, n, a, b, mode) for j, ((a, b), mode) in enumerate(zip(bounds, recompute))]
     out = []
     for j, ((a, b), mode) in enumerate(zip(bounds, recompute)):
-        g = j % P
-        group = sk.groups[g]
-        t = tables.table(sk.kinds[g], st.micro_batch, st.sequence_parallel).scalars
-        q = RECOMPUTES.index(mode)
-        fwd = t["cum_forward"][b] - t["cum_forward"][a]
-        cbi = t["cum_backward_input"][q]
-        bi = cbi[b] - cbi[a]
-        bw = t["cum_backward_weight"][b] - t["cum_backward_weight"][a]
-        params = t["cum_params"][b] - t["cum_params"][a]
-        cast = t["cum_cast_params"][b] - t["cum_cast_params"][a]
-        # Expert gradients go over the ranks holding the same experts (costmodel.experts).
-        ep = sk.ep
-        expert = t["cum_expert_params"][b] - t["cum_expert_params"][a] if ep > 1 else 0.0
-
-        def collective(per_param: float, kind: str) -> float:
-            return (tables.dp_collective(group, (params - expert) * per_param, kind)
-                    + (tables.expert_dp_collective(group, ep, expert * per_param, kind) if expert else 0.0))
-        reduce = 0.0
-        if st.zero >= 3 and group.dp * group.cp > 1:
-            gather = collective(stack.gathered_weights_bytes_per_param, "all_gather")
-            scatter = collective(stack.grad_reduce_bytes_per_param, "reduce_scatter")
-            fwd = max(fwd, gather)
-            bi += max(0.0, gather + scatter - (bi + bw))
-        elif group.dp * group.cp > 1:
-            reduce = collective(stack.grad_reduce_bytes_per_param, stack.grad_reduce_kind(st.zero))
-        send_f = send_b = 0.0
-        if j < n - 1:
-            nxt = sk.groups[(j + 1) % P]
-            if nxt is not group:
-                send_f = tables.p2p(group, nxt, t["output_bytes"][b - 1])
-        if j > 0:
-            prv = sk.groups[(j - 1) % P]
-            if prv is not group:
-                send_b = tables.p2p(group, prv, t["output_bytes"][a - 1])
-        out.append(StageFigures(
-            forward=fwd, backward_input=bi, backward_weight=bw, send_forward=send_f, send_backward=send_b,
-            grad_reduce=reduce, params=params, cast_params=cast,
-            activation=t["cum_activation"][q][b] - t["cum_activation"][q][a],
-            transient=t["max_transient"][q][a][b], max_params=t["max_params"][a][b], units=b - a,
-            zero_params=t["cum_zero_params"][b] - t["cum_zero_params"][a]))
+        key = (j, a, b, mode, n)
+        f = known.get(key)
+        if f is None:
+            f = known[key] = stage_figure(tables, sk, st, j, n, a, b, mode)
+        out.append(f)
     return out
+
+
+def stage_figure(tables: Tables, sk: Skeleton, st: Setting, j: int, n: int, a: int, b: int,
+                 mode: str) -> StageFigures:
+    """Costs of stage ``j`` of ``n`` (units [a, b), recompute ``mode``)."""
+    P = sk.pp
+    stack = tables.stack
+    g = j % P
+    group = sk.groups[g]
+    t = tables.table(sk.kinds[g], st.micro_batch, st.sequence_parallel).scalars
+    q = RECOMPUTES.index(mode)
+    fwd = t["cum_forward"][b] - t["cum_forward"][a]
+    cbi = t["cum_backward_input"][q]
+    bi = cbi[b] - cbi[a]
+    bw = t["cum_backward_weight"][b] - t["cum_backward_weight"][a]
+    params = t["cum_params"][b] - t["cum_params"][a]
+    cast = t["cum_cast_params"][b] - t["cum_cast_params"][a]
+    # Expert gradients go over the ranks holding the same experts (costmodel.experts).
+    ep = sk.ep
+    expert = t["cum_expert_params"][b] - t["cum_expert_params"][a] if ep > 1 else 0.0
+
+    def collective(per_param: float, kind: str) -> float:
+        return (tables.dp_collective(group, (params - expert) * per_param, kind)
+                + (tables.expert_dp_collective(group, ep, expert * per_param, kind) if expert else 0.0))
+    reduce = 0.0
+    if st.zero >= 3 and group.dp * group.cp > 1:
+        gather = collective(stack.gathered_weights_bytes_per_param, "all_gather")
+        scatter = collective(stack.grad_reduce_bytes_per_param, "reduce_scatter")
+        fwd = max(fwd, gather)
+        bi += max(0.0, gather + scatter - (bi + bw))
+    elif group.dp * group.cp > 1:
+        reduce = collective(stack.grad_reduce_bytes_per_param, stack.grad_reduce_kind(st.zero))
+    send_f = send_b = 0.0
+    if j < n - 1:
+        nxt = sk.groups[(j + 1) % P]
+        if nxt is not group:
+            send_f = tables.p2p(group, nxt, t["output_bytes"][b - 1])
+    if j > 0:
+        prv = sk.groups[(j - 1) % P]
+        if prv is not group:
+            send_b = tables.p2p(group, prv, t["output_bytes"][a - 1])
+    return StageFigures(
+        forward=fwd, backward_input=bi, backward_weight=bw, send_forward=send_f, send_backward=send_b,
+        grad_reduce=reduce, params=params, cast_params=cast,
+        activation=t["cum_activation"][q][b] - t["cum_activation"][q][a],
+        transient=t["max_transient"][q][a][b], max_params=t["max_params"][a][b], units=b - a,
+        zero_params=t["cum_zero_params"][b] - t["cum_zero_params"][a])
 
 
 def group_memory(tables: Tables, sk: Skeleton, st: Setting, figs: Sequence[StageFigures]) -> list[float]:

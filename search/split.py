@@ -67,6 +67,7 @@ class Splitter:
         self._free: dict = {}
         self._shares: dict = {}
         self._shortest: dict = {}
+        self._memo: dict = {}
         self.runs = 0
         """DP runs (for the search statistics; splits shared from the cache not counted)."""
 
@@ -109,7 +110,7 @@ class Splitter:
         per micro-batch, both with the allocator's fragmentation on the dynamic part;
         memory = fixed + base + inflight * act (``Tables.memory_total``)."""
         group, kind = sk.groups[g], sk.kinds[g]
-        key = (kind, st.micro_batch, st.sequence_parallel and kind.tp > 1, group.dp * group.cp, st.zero)
+        key = (kind, st.micro_batch, st.sequence_parallel and kind.tp > 1, _sharding(group, st), st.zero)
         hit = self._mem.get(key)
         if hit is not None:
             return hit
@@ -130,7 +131,7 @@ class Splitter:
         count: a rank's peak is the larger of this and the compute phase's
         ``base + inflight * act`` (``Tables.memory_total``)."""
         group, kind = sk.groups[g], sk.kinds[g]
-        key = ("step", kind, st.micro_batch, st.sequence_parallel and kind.tp > 1, group.dp * group.cp, st.zero)
+        key = ("step", kind, st.micro_batch, st.sequence_parallel and kind.tp > 1, _sharding(group, st), st.zero)
         hit = self._mem.get(key)
         if hit is None:
             t = self.tables.table(kind, st.micro_batch, st.sequence_parallel)
@@ -255,7 +256,6 @@ class Splitter:
     def _split_dp(self, sk: Skeleton, st: Setting, modes: tuple[str, ...], objective: str = "time",
                   period_limit: float = INF, joint: bool = False, unlimited: bool = False) -> Split | None:
         """The DP itself (see :meth:`split`); ``unlimited`` ignores memory."""
-        self.runs += 1
         P, v = sk.pp, st.virtual_stages
         S = P * v
         L = self.L
@@ -338,6 +338,21 @@ class Splitter:
             budget = room if v == 1 else room * shares[g][chunk]
             entry = alike.setdefault((id(time_m), id(base), id(act), id(floor)), (time_m, base, act, floor, {}))
             entry[4].setdefault((counts[g][chunk], budget), []).append(j)
+        # Every input of the DP is in ``alike`` (cached matrices, by identity, and each
+        # stage's in-flight count and budget): skeletons and settings that differ in nothing
+        # it reads (other data-parallel degrees without ZeRO, other micro-batch counts past
+        # a few per stage) share its result. With one candidate period the result does
+        # not depend on the period limit beyond it (see _recall).
+        memo_key = None
+        one_period = objective == "time" and not (st.num_micro_batches < 4 * P
+                                                  and (st.zero >= 3 and sk.shards > 1 or not unlimited))
+        if one_period and not unlimited:
+            memo_key = (S, mode_key, tuple((k, tuple((r, tuple(js)) for r, js in e[4].items()))
+                                           for k, e in alike.items()))
+            remembered = self._recall(memo_key, period_limit)
+            if remembered is not False:
+                return remembered
+        self.runs += 1
         costs = np.empty((S, L + 1, K))
         choices = np.empty((S, L + 1, K), dtype=np.int8)
         limited = np.isfinite(period_limit)
@@ -388,6 +403,8 @@ class Splitter:
                 choices[rows[k]] = choice[r]
         period = _minmax(costs, start, valid, L)
         if period is None:
+            if memo_key is not None:
+                self._memo[memo_key] = (None, period_limit)
             return None
         cands = [period]
         m = st.num_micro_batches
@@ -411,12 +428,33 @@ class Splitter:
                 best_obj = obj
                 rec = tuple(RECOMPUTES[int(choices[j][e, d - 1])] for j, (e, d) in enumerate(picks))
                 best_split = Split(bounds=tuple(bounds), recompute=rec, period=real_period, total=total)
+        if memo_key is not None:
+            self._memo[memo_key] = (best_split, period_limit)
         return best_split
+
+    def _recall(self, key, period_limit: float):
+        """A DP's result remembered under ``key`` that holds under ``period_limit``, or
+        False. With one candidate period the DP returns the least-total split among those
+        whose stages all cost at most the least period p (within 1e-9): computed under a
+        limit at least that, it is the answer under every limit at least that, and under
+        a limit below p nothing qualifies; "no split" under a limit also holds below it."""
+        hit = self._memo.get(key)
+        if hit is None:
+            return False
+        split, limit = hit
+        if split is None:
+            return None if period_limit <= limit else False
+        reach = split.period * (1 + 1e-9)
+        if reach > limit:
+            return False
+        if period_limit >= reach:
+            return split
+        return None if period_limit < split.period else False
 
     def _states_mats(self, sk: Skeleton, g: int, st: Setting) -> tuple[np.ndarray, np.ndarray]:
         """Like _mem_mats without the transient: (states[q, s, e], act[q, s, e])."""
         group, kind = sk.groups[g], sk.kinds[g]
-        key = ("states", kind, st.micro_batch, st.sequence_parallel and kind.tp > 1, group.dp * group.cp, st.zero)
+        key = ("states", kind, st.micro_batch, st.sequence_parallel and kind.tp > 1, _sharding(group, st), st.zero)
         hit = self._mem.get(key)
         if hit is None:
             t = self.tables.table(kind, st.micro_batch, st.sequence_parallel)
@@ -519,6 +557,13 @@ class Splitter:
             rec.append(RECOMPUTES[ok[0]])
             period, total = max(period, cost), total + cost
         return Split(bounds=tuple(bounds), recompute=tuple(rec), period=period, total=total)
+
+
+def _sharding(group, st: Setting) -> int:
+    """What a group's memory matrices depend on of its data x context ranks: their number
+    when ZeRO shards states over them, else nothing (unsharded states and casts are
+    the same however many replicas there are)."""
+    return group.dp * group.cp if st.zero >= 1 else 1
 
 
 def _minmax(costs: np.ndarray, start: np.ndarray, valid: np.ndarray, L: int) -> float | None:
