@@ -86,8 +86,12 @@ def model_violation(model: ModelSpec, engine) -> ConfigError | None:
     return err if err is not None and err.field == "model" else None
 
 
-PLACEMENT_MICRO_BATCHES = 2
-"""Micro-batch sizes (the smallest ones) CP-SAT places device groups for, per dp."""
+PLACEMENT_MICRO_BATCHES = 1
+"""Micro-batch sizes (the smallest ones) CP-SAT places device groups for, per dp. The
+smallest needs the least memory, so its pipelines are the ones most likely to fit, and
+the DP tries every size on them; placing for the second size too doubled the solves and
+the pipelines to bound, and left the best plan of the benchmark's three-type clusters
+(64 to 4,096 GPUs) the same."""
 REFINE_ACTIONS = 256
 """Refine splits by local search only for programs this short (a few dozen simulations
 of at most this many actions each): there the fill and drain, not the period the DP
@@ -354,8 +358,8 @@ class _Search:
     def _placed_skeletons(self, pstats: PlacementStats) -> list[Skeleton]:
         seen: dict[tuple, Skeleton] = {}
         # The sequence of device groups depends on the micro-batch only through memory:
-        # placing for the two smallest sizes covers the ones that fit best; the DP then
-        # tries every micro-batch size on every sequence.
+        # placing for the smallest sizes (PLACEMENT_MICRO_BATCHES) covers the ones that
+        # fit best; the DP then tries every micro-batch size on every sequence.
         keys = [(dp, b) for dp in self.dp_options() for b in self.mb_options(dp)[:PLACEMENT_MICRO_BATCHES]]
         self.progress.phase("placement", len(keys))
         # An engine with one tensor-parallel size per job gets pipelines of one degree each.
