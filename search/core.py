@@ -86,8 +86,12 @@ def model_violation(model: ModelSpec, engine) -> ConfigError | None:
     return err if err is not None and err.field == "model" else None
 
 
-PLACEMENT_MICRO_BATCHES = 2
-"""Micro-batch sizes (the smallest ones) CP-SAT places device groups for, per dp."""
+PLACEMENT_MICRO_BATCHES = 1
+"""Micro-batch sizes (the smallest ones) CP-SAT places device groups for, per dp. The
+smallest needs the least memory, so its pipelines are the ones most likely to fit, and
+the DP tries every size on them; placing for the second size too doubled the solves and
+the pipelines to bound, and left the best plan of the benchmark's three-type clusters
+(64 to 4,096 GPUs) the same."""
 REFINE_ACTIONS = 256
 """Refine splits by local search only for programs this short (a few dozen simulations
 of at most this many actions each): there the fill and drain, not the period the DP
@@ -354,8 +358,8 @@ class _Search:
     def _placed_skeletons(self, pstats: PlacementStats) -> list[Skeleton]:
         seen: dict[tuple, Skeleton] = {}
         # The sequence of device groups depends on the micro-batch only through memory:
-        # placing for the two smallest sizes covers the ones that fit best; the DP then
-        # tries every micro-batch size on every sequence.
+        # placing for the smallest sizes (PLACEMENT_MICRO_BATCHES) covers the ones that
+        # fit best; the DP then tries every micro-batch size on every sequence.
         keys = [(dp, b) for dp in self.dp_options() for b in self.mb_options(dp)[:PLACEMENT_MICRO_BATCHES]]
         self.progress.phase("placement", len(keys))
         # An engine with one tensor-parallel size per job gets pipelines of one degree each.
@@ -531,42 +535,45 @@ class _Search:
             if self._states_exceed_cluster():
                 # However the states are sharded, they outgrow all the devices' memory.
                 raise NoPlanFitsError(self._no_fit_message([]))
-            while True:
-                t0 = time.perf_counter()
-                if len(self.cluster.groups) == 1:
-                    skeletons = self.homogeneous_skeletons()
-                else:
-                    stats.placement = PlacementStats()
-                    skeletons = self.heterogeneous_skeletons(stats.placement)
-                stats.skeletons = len(skeletons)
-                stats.phase_s["placement"] = time.perf_counter() - t0
+            mixed = len(self.cluster.groups) > 1
+            t0 = time.perf_counter()
+            if not mixed:
+                skeletons = self.homogeneous_skeletons()
+            else:
+                stats.placement = PlacementStats()
+                skeletons = self.heterogeneous_skeletons(stats.placement)
+            stats.skeletons = len(skeletons)
+            stats.phase_s["placement"] = time.perf_counter() - t0
 
-                t0 = time.perf_counter()
-                short = self._best_first(skeletons)
-                if short or self.tables.margin == 0 or stats.stopped_at_time_limit:
-                    break
+            t0 = time.perf_counter()
+            short = self._best_first(skeletons)
+            if not short and self.tables.margin > 0 and not stats.stopped_at_time_limit:
                 # Nothing fits with the safety margin free: look again for plans that fit
                 # at all (they come out marked tight). The bounds' memory budgets change.
                 self.tables.margin = 0.0
-                self.bounds = Bounds(self.tables, self.modes, self.gb)
                 stats.tight_fallback = True
                 stats.pruned_memory_bound = stats.pruned_no_split = stats.pruned_split_bound = 0
-            if not short and not stats.stopped_at_time_limit and len(self.cluster.groups) > 1:
+                if not mixed:
+                    self.bounds = Bounds(self.tables, self.modes, self.gb)
+                    short = self._best_first(skeletons)
+                else:
+                    # The pipelines placed are kept (CP-SAT sizes runs by a coarse memory
+                    # model, which the margin barely moves; the DP judges memory exactly
+                    # under the new budgets), and the leanest pipelines, the likeliest to
+                    # fit at all, are searched first: their plans bound the others'.
+                    extra = self._new_lean(skeletons)
+                    short = self._best_first_more(extra)
+                    short = self._best_first_more(skeletons, seed=short)
+                    skeletons = skeletons + extra
+                    stats.skeletons = len(skeletons)
+            if not short and not stats.stopped_at_time_limit and mixed:
                 # CP-SAT sizes runs by a coarse memory model and may propose only pipelines
                 # that miss by a little; before saying nothing fits, try the leanest ones
                 # (every node group at its largest tp, roomiest first), as the no-fit
                 # message would.
-                known = {(sk.groups, sk.kinds) for sk in skeletons}
-                extra = [sk for sk in self._lean_skeletons([]) if (sk.groups, sk.kinds) not in known]
+                extra = self._new_lean(skeletons)
                 if extra:
-                    counts = ("candidates", "pruned_time_bound", "pruned_memory_bound", "pruned_no_split",
-                              "pruned_split_bound")
-                    before = {k: getattr(stats, k) for k in counts}
-                    stats.pruned_memory_bound = stats.pruned_no_split = stats.pruned_split_bound = 0
-                    self.bounds = Bounds(self.tables, self.modes, self.gb)   # (its caches are per list index)
-                    short = self._best_first(extra)
-                    for k in counts:
-                        setattr(stats, k, getattr(stats, k) + before[k])
+                    short = self._best_first_more(extra)
                     skeletons = skeletons + extra
                     stats.skeletons = len(skeletons)
             stats.phase_s["split"] = time.perf_counter() - t0 - stats.phase_s.get("bounds", 0.0)
@@ -590,6 +597,25 @@ class _Search:
                             target=self.engine.name, stack=self.options.stack.name,
                             global_batch=self.gb)
 
+    def _new_lean(self, skeletons: list[Skeleton]) -> list[Skeleton]:
+        """The leanest pipelines of a mixed cluster (``_lean_skeletons``) not among ``skeletons``."""
+        known = {(sk.groups, sk.kinds) for sk in skeletons}
+        return [sk for sk in self._lean_skeletons([]) if (sk.groups, sk.kinds) not in known]
+
+    def _best_first_more(self, skeletons: list[Skeleton], seed: list[tuple] = ()) -> list[tuple]:
+        """Another ``_best_first`` in the same search: its statistics add to the earlier ones'."""
+        if not skeletons:
+            return list(seed)
+        stats = self.stats
+        counts = ("candidates", "pruned_time_bound", "pruned_memory_bound", "pruned_no_split", "pruned_split_bound")
+        before = {k: getattr(stats, k) for k in counts}
+        stats.pruned_memory_bound = stats.pruned_no_split = stats.pruned_split_bound = 0
+        self.bounds = Bounds(self.tables, self.modes, self.gb)   # (its caches are per list index)
+        short = self._best_first(skeletons, seed)
+        for k in counts:
+            setattr(stats, k, getattr(stats, k) + before[k])
+        return short
+
     def _count(self, sk: Skeleton) -> int:
         """Candidates of a skeleton (what settings() yields, times its ZeRO stages)."""
         n_zero = len(self.c.zero) if sk.shards > 1 else 1
@@ -602,7 +628,7 @@ class _Search:
                                                    for _ in self._pipelinings(sk.pp, sk.dp, b))
         return n * n_sp * n_zero
 
-    def _best_first(self, skeletons: list[Skeleton]) -> list[tuple]:
+    def _best_first(self, skeletons: list[Skeleton], seed: list[tuple] = ()) -> list[tuple]:
         """Branch and bound over (skeleton, setting) in increasing order of lower bounds.
 
         One heap holds items of three levels, each bounded below by a bound valid for
@@ -613,12 +639,15 @@ class _Search:
         split by the DP and timed) until it cannot beat the shortlist, so what is never
         expanded is never enumerated. Ties are broken by insertion order, so the result
         does not depend on timing; only ``time_limit`` can stop the loop early, and then
-        the heap's smallest bound says how far from optimal the incumbent may be."""
+        the heap's smallest bound says how far from optimal the incumbent may be.
+
+        ``seed``: a shortlist an earlier call returned (on other skeletons), kept and
+        beaten as if found here; its plans order before this call's on equal times."""
         keep = self.c.max_estimates
         stats = self.stats
         t_bounds = time.perf_counter()
         heap: list[tuple] = []   # (bound, counter, level, payload)
-        counter = 0
+        counter = max((o // 4 + 1 for _, o, _ in seed), default=0)
         for si, sk in enumerate(skeletons):
             heap.append((self.bounds.skeleton_bound(si, sk, self.mb_options(sk.dp), self.sequence_parallel(sk)),
                          counter, 0, si))
@@ -626,7 +655,8 @@ class _Search:
         heapq.heapify(heap)
         stats.candidates = sum(self._count(sk) for sk in skeletons)
         bounds_s = time.perf_counter() - t_bounds
-        shortlist: list[tuple] = []   # (-time, -order, candidate): the worst on top
+        shortlist: list[tuple] = [(-t, -o, cand) for t, o, cand in seed]   # (-time, -order, candidate): the worst on top
+        heapq.heapify(shortlist)
         examined = 0
         time_pruned = 0   # (ZeRO stages of a candidate pruned by their own time bound)
         self.progress.phase("split", stats.candidates)

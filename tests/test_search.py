@@ -12,7 +12,7 @@ from autoplan import Cluster, Plan, models
 from autoplan.cli import main
 from autoplan.errors import ConfigError, NoPlanFitsError
 from autoplan.plan import DeviceGroup, Stage
-from costmodel import estimate
+from costmodel import EstimateOptions, estimate
 from search import search
 
 
@@ -400,3 +400,19 @@ def test_mixed_search_finds_a_plan_cp_sat_alone_misses():
                     max_exhaustive_pipelines=1, progress=False)
     assert result.best.estimate.fits
     assert result.best.estimate.iteration_time_s <= ref.iteration_time_s * 1.005
+
+
+def test_mixed_tight_fallback_loses_nothing_to_a_search_without_margin():
+    """GPT-3 175B on the 64-GPU three-type cluster, narrowed to dp=1, micro-batch 2,
+    zero-bubble, ZeRO-0 and CP-SAT placement: no plan leaves the memory margin free, so the
+    search looks again for plans that fit at all, on the pipelines it already placed and
+    the leanest ones first. Its best (marked tight) must be as fast as that of a search
+    run without any margin from the start (placed under those budgets)."""
+    data = json.loads(open("examples/clusters/mixed-three-types.json").read())
+    cluster, model = Cluster.from_dict(data), models.get("gpt3-175b")
+    narrow = dict(dp=1, micro_batch=2, schedules="zero-bubble", zero=0, max_exhaustive_pipelines=1, progress=False)
+    fallback = search(model, cluster, 1536, **narrow)
+    assert fallback.stats.tight_fallback and fallback.best.estimate.tight
+    no_margin = search(model, cluster, 1536, options=EstimateOptions(memory_margin=0.0), **narrow)
+    assert not no_margin.stats.tight_fallback
+    assert fallback.best.estimate.iteration_time_s <= no_margin.best.estimate.iteration_time_s * (1 + 1e-9)
