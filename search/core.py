@@ -834,14 +834,36 @@ class _Search:
             timed_splits[key] = analysis
             return analysis
 
+        leanest: dict = {}
+
+        def lean(joint: bool):
+            # The split of least largest memory-to-budget ratio (its ``period``) under the
+            # DP's per-chunk budgets (joint or not) and ``limit``.
+            if joint not in leanest:
+                leanest[joint] = self.splitter.split(sk, st, modes, objective="memory", joint=joint,
+                                                     period_limit=limit)
+            return leanest[joint]
+
+        def timed_dp(joint: bool):
+            # Where the memory-free split does not fit the DP's budgets, the leanest split
+            # comes first (one DP, needed anyway when nothing fits): if even it exceeds
+            # them, no split fits them and the time DP (one or two DPs) would find none.
+            if st.virtual_stages > 1:
+                free = self.splitter._unconstrained(sk, st, modes, limit)
+                if free is not None and not self.splitter._fits(sk, st, modes, free, joint):
+                    least = lean(joint)
+                    if least is None or least.period > 1 + 1e-9:
+                        return None
+            return self.splitter.split(sk, st, modes, period_limit=limit, joint=joint)
+
         sim = simulated(st, sk.pp)
         if st.virtual_stages == 1:
             tries = [lambda: self.splitter.split(sk, st, modes, period_limit=limit)]
         else:
-            tries = [lambda: self.splitter.split(sk, st, modes, period_limit=limit, joint=True),
+            tries = [lambda: timed_dp(True),
                      lambda: self.splitter.balanced_interleave(sk, st, modes),
                      lambda: self._even_interleave(sk, st, modes, timed)]
-        for attempt in (tries, [lambda: self.splitter.split(sk, st, modes, period_limit=limit)]):
+        for attempt in (tries, [lambda: timed_dp(False)]):
             for make in attempt:
                 split = make()
                 if split is None:
@@ -855,7 +877,7 @@ class _Search:
             # Chunks share one memory and the DPs' per-chunk budgets are conservative: the
             # leanest split (balanced for memory instead of time) may still fit exactly.
             for joint in (True, False):
-                split = self.splitter.split(sk, st, modes, objective="memory", joint=joint, period_limit=limit)
+                split = lean(joint)
                 if split is not None:
                     analysis = timed(split)
                     if analysis is not None and analysis.fits:
