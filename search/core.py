@@ -356,7 +356,8 @@ class _Search:
         return self.gb / rate if rate > 0 else INF
 
     def _placed_skeletons(self, pstats: PlacementStats) -> list[Skeleton]:
-        seen: dict[tuple, Skeleton] = {}
+        proposed = []
+        seen = False
         # The sequence of device groups depends on the micro-batch only through memory:
         # placing for the smallest sizes (PLACEMENT_MICRO_BATCHES) covers the ones that
         # fit best; the DP then tries every micro-batch size on every sequence.
@@ -378,24 +379,35 @@ class _Search:
                 self.unplaced_bound = self.cluster_bound()
                 break
             self.progress.step()
-            found = []
             for tps in tp_sets:
                 kinds = pool_kinds(self.tables, dp, tps)
                 if not kinds:
                     continue
-                found += place(self.tables, dp=dp, micro_batch=b, num_micro_batches=self.gb // (dp * b),
-                               sequence_parallel=True in self.c.sequence_parallel, kinds=kinds,
-                               zeros=list(self.c.zero), modes=list(self.modes),
-                               max_stages=self.max_pp(), use_all_gpus=self.c.use_all_gpus,
-                               alternatives=self.c.placement_alternatives,
-                               det_time_limit=self.c.placement_time_limit, seed=self.c.seed, stats=pstats,
-                               orders=self.c.placement_orders)
-            for sk in found:
+                props = place(self.tables, dp=dp, micro_batch=b, num_micro_batches=self.gb // (dp * b),
+                              sequence_parallel=True in self.c.sequence_parallel, kinds=kinds,
+                              zeros=list(self.c.zero), modes=list(self.modes),
+                              max_stages=self.max_pp(), use_all_gpus=self.c.use_all_gpus,
+                              alternatives=self.c.placement_alternatives,
+                              det_time_limit=self.c.placement_time_limit, seed=self.c.seed, stats=pstats,
+                              orders=self.c.placement_orders)
+                if props is not None:
+                    proposed.append(props)
+                    seen = True
+        # CP-SAT's next-best sequences only where its optimum is within
+        # placement_alternatives_within of the best data-parallel degree's (by its own
+        # closed form, which ranks the degrees' best plans closely on the benchmark's
+        # clusters): elsewhere alternatives cost solves and DPs for plans that lose.
+        best = min((p.estimate_s for p in proposed), default=INF)
+        out: dict[tuple, Skeleton] = {}
+        for props in proposed:
+            if props.estimate_s <= best * (1 + self.c.placement_alternatives_within) and not self.out_of_time():
+                props.more()
+            for sk in props.found:
                 if self.c.pp is not None and sk.pp not in self.c.pp:
                     continue
                 for variant in self.with_ep(sk):
-                    seen.setdefault((variant.groups, variant.kinds), variant)
-        return list(seen.values())
+                    out.setdefault((variant.groups, variant.kinds), variant)
+        return list(out.values())
 
     def pools_can_hold(self, dp: int, b: int) -> bool:
         """Whether pipelines of ``dp`` replicas at micro-batch ``b`` could hold the model at

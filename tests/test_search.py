@@ -233,6 +233,21 @@ def test_large_spaces_are_placed_by_cp_sat():
     assert result.best.estimate.fits
 
 
+def test_placement_alternatives_only_near_the_best_data_parallel_degree():
+    """CP-SAT's next-best sequences are sought only for degrees whose optimum is within
+    placement_alternatives_within of the best one's: with 0 only the best degree gets them,
+    and the pipelines proposed are a part of those every degree's alternatives propose, so
+    its best plan is no faster."""
+    model = models.get("gpt3-1.3b")
+    cluster = Cluster.load("examples/clusters/small-mixed-v100-t4.json")
+    runs = {w: search(model, cluster, 64, max_exhaustive_pipelines=1, placement_alternatives_within=w,
+                      progress=False) for w in (0.0, float("inf"))}
+    near, every = runs[0.0].stats.placement, runs[float("inf")].stats.placement
+    assert near.solves < every.solves and near.skeletons < every.skeletons
+    best = {w: r.best.estimate.iteration_time_s for w, r in runs.items()}
+    assert best[0.0] >= best[float("inf")] * (1 - 1e-9)
+
+
 def test_table_and_explain(mixed_result):
     _, _, result = mixed_result
     table = result.table(3)
@@ -284,7 +299,9 @@ def test_fewer_gpus_are_reported_and_can_be_forbidden():
     ({"recompute": []}, "recompute"),
     ({"max_estimates": 0}, "max_estimates"),
     ({"ep": [0]}, "ep"),
-], ids=["unknown-keyword", "unknown-schedule", "bad-zero", "bad-tp", "empty-recompute", "bad-budget", "bad-ep"])
+    ({"placement_alternatives_within": -0.1}, "placement_alternatives_within"),
+], ids=["unknown-keyword", "unknown-schedule", "bad-zero", "bad-tp", "empty-recompute", "bad-budget", "bad-ep",
+        "negative-fraction"])
 def test_bad_constraints_name_the_field(kwargs, field):
     with pytest.raises(ConfigError) as err:
         search(toy_model("5x512"), toy_cluster(3), 8, progress=False, **kwargs)
