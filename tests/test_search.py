@@ -225,27 +225,19 @@ def test_stats_account_for_every_candidate(mixed_result):
 
 
 def test_large_spaces_are_placed_by_cp_sat():
+    """CP-SAT proposes the pipelines; its next-best alternatives are sought only for the
+    data-parallel degrees whose optimum is within placement_alternatives_within of the best
+    one's: with 0 only the best degree gets them, fewer pipelines are proposed (a part of
+    the others), and the best plan is no faster."""
     model = models.get("gpt3-1.3b")
     cluster = Cluster.load("examples/clusters/small-mixed-v100-t4.json")
     result = search(model, cluster, 64, max_exhaustive_pipelines=1, progress=False)
     p = result.stats.placement
     assert p.enumerated == 0 and p.solves > 0 and p.skeletons > 0 and "CP-SAT" in result.stats.summary()
     assert result.best.estimate.fits
-
-
-def test_placement_alternatives_only_near_the_best_data_parallel_degree():
-    """CP-SAT's next-best sequences are sought only for degrees whose optimum is within
-    placement_alternatives_within of the best one's: with 0 only the best degree gets them,
-    and the pipelines proposed are a part of those every degree's alternatives propose, so
-    its best plan is no faster."""
-    model = models.get("gpt3-1.3b")
-    cluster = Cluster.load("examples/clusters/small-mixed-v100-t4.json")
-    runs = {w: search(model, cluster, 64, max_exhaustive_pipelines=1, placement_alternatives_within=w,
-                      progress=False) for w in (0.0, float("inf"))}
-    near, every = runs[0.0].stats.placement, runs[float("inf")].stats.placement
-    assert near.solves < every.solves and near.skeletons < every.skeletons
-    best = {w: r.best.estimate.iteration_time_s for w, r in runs.items()}
-    assert best[0.0] >= best[float("inf")] * (1 - 1e-9)
+    near = search(model, cluster, 64, max_exhaustive_pipelines=1, placement_alternatives_within=0.0, progress=False)
+    assert near.stats.placement.solves < p.solves and near.stats.placement.skeletons < p.skeletons
+    assert near.best.estimate.iteration_time_s >= result.best.estimate.iteration_time_s * (1 - 1e-9)
 
 
 def test_table_and_explain(mixed_result):
