@@ -137,8 +137,7 @@ class Proposals:
         self.estimate_s: float | None = None
         """The optimum's objective in seconds (the model's coarse 1F1B closed form: a way
         to compare data-parallel degrees, not a bound); None before it is solved."""
-        self._stats = kw["stats"]
-        self._left = max(1, kw["alternatives"])
+        self._left = max(1, kw.pop("alternatives"))
         self._solve = _model(tables, **kw, found=self.found)
 
     def solve(self) -> bool:
@@ -163,8 +162,7 @@ class Proposals:
 
 def _model(tables: Tables, *, dp: int, micro_batch: int, num_micro_batches: int, sequence_parallel: bool,
            kinds: list[Kind], zero: int, modes: list[str], max_stages: int, use_all_gpus: bool,
-           alternatives: int, det_time_limit: float, seed: int, stats: PlacementStats,
-           orders: int, found: list[Skeleton]):
+           det_time_limit: float, seed: int, stats: PlacementStats, orders: int, found: list[Skeleton]):
     """The CP-SAT model of one (dp, micro-batch, ZeRO stage) as a function that solves it
     once, adds the sequences of the solution to ``found``, cuts that solution off and
     returns its objective in seconds (None: infeasible or no solution in time); None
