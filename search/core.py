@@ -356,7 +356,8 @@ class _Search:
         return self.gb / rate if rate > 0 else INF
 
     def _placed_skeletons(self, pstats: PlacementStats) -> list[Skeleton]:
-        seen: dict[tuple, Skeleton] = {}
+        proposed = []
+        seen = False
         # The sequence of device groups depends on the micro-batch only through memory:
         # placing for the smallest sizes (PLACEMENT_MICRO_BATCHES) covers the ones that
         # fit best; the DP then tries every micro-batch size on every sequence.
@@ -378,24 +379,35 @@ class _Search:
                 self.unplaced_bound = self.cluster_bound()
                 break
             self.progress.step()
-            found = []
             for tps in tp_sets:
                 kinds = pool_kinds(self.tables, dp, tps)
                 if not kinds:
                     continue
-                found += place(self.tables, dp=dp, micro_batch=b, num_micro_batches=self.gb // (dp * b),
-                               sequence_parallel=True in self.c.sequence_parallel, kinds=kinds,
-                               zeros=list(self.c.zero), modes=list(self.modes),
-                               max_stages=self.max_pp(), use_all_gpus=self.c.use_all_gpus,
-                               alternatives=self.c.placement_alternatives,
-                               det_time_limit=self.c.placement_time_limit, seed=self.c.seed, stats=pstats,
-                               orders=self.c.placement_orders)
-            for sk in found:
+                props = place(self.tables, dp=dp, micro_batch=b, num_micro_batches=self.gb // (dp * b),
+                              sequence_parallel=True in self.c.sequence_parallel, kinds=kinds,
+                              zeros=list(self.c.zero), modes=list(self.modes),
+                              max_stages=self.max_pp(), use_all_gpus=self.c.use_all_gpus,
+                              alternatives=self.c.placement_alternatives,
+                              det_time_limit=self.c.placement_time_limit, seed=self.c.seed, stats=pstats,
+                              orders=self.c.placement_orders)
+                if props is not None:
+                    proposed.append(props)
+                    seen = True
+        # CP-SAT's next-best sequences only where its optimum is within
+        # placement_alternatives_within of the best data-parallel degree's (by its own
+        # closed form, which ranks the degrees' best plans closely on the benchmark's
+        # clusters): elsewhere alternatives cost solves and DPs for plans that lose.
+        best = min((p.estimate_s for p in proposed), default=INF)
+        out: dict[tuple, Skeleton] = {}
+        for props in proposed:
+            if props.estimate_s <= best * (1 + self.c.placement_alternatives_within) and not self.out_of_time():
+                props.more()
+            for sk in props.found:
                 if self.c.pp is not None and sk.pp not in self.c.pp:
                     continue
                 for variant in self.with_ep(sk):
-                    seen.setdefault((variant.groups, variant.kinds), variant)
-        return list(seen.values())
+                    out.setdefault((variant.groups, variant.kinds), variant)
+        return list(out.values())
 
     def pools_can_hold(self, dp: int, b: int) -> bool:
         """Whether pipelines of ``dp`` replicas at micro-batch ``b`` could hold the model at
@@ -834,14 +846,36 @@ class _Search:
             timed_splits[key] = analysis
             return analysis
 
+        leanest: dict = {}
+
+        def lean(joint: bool):
+            # The split of least largest memory-to-budget ratio (its ``period``) under the
+            # DP's per-chunk budgets (joint or not) and ``limit``.
+            if joint not in leanest:
+                leanest[joint] = self.splitter.split(sk, st, modes, objective="memory", joint=joint,
+                                                     period_limit=limit)
+            return leanest[joint]
+
+        def timed_dp(joint: bool):
+            # Where the memory-free split does not fit the DP's budgets, the leanest split
+            # comes first (one DP, needed anyway when nothing fits): if even it exceeds
+            # them, no split fits them and the time DP (one or two DPs) would find none.
+            if st.virtual_stages > 1:
+                free = self.splitter._unconstrained(sk, st, modes, limit)
+                if free is not None and not self.splitter._fits(sk, st, modes, free, joint):
+                    least = lean(joint)
+                    if least is None or least.period > 1 + 1e-9:
+                        return None
+            return self.splitter.split(sk, st, modes, period_limit=limit, joint=joint)
+
         sim = simulated(st, sk.pp)
         if st.virtual_stages == 1:
             tries = [lambda: self.splitter.split(sk, st, modes, period_limit=limit)]
         else:
-            tries = [lambda: self.splitter.split(sk, st, modes, period_limit=limit, joint=True),
+            tries = [lambda: timed_dp(True),
                      lambda: self.splitter.balanced_interleave(sk, st, modes),
                      lambda: self._even_interleave(sk, st, modes, timed)]
-        for attempt in (tries, [lambda: self.splitter.split(sk, st, modes, period_limit=limit)]):
+        for attempt in (tries, [lambda: timed_dp(False)]):
             for make in attempt:
                 split = make()
                 if split is None:
@@ -855,7 +889,7 @@ class _Search:
             # Chunks share one memory and the DPs' per-chunk budgets are conservative: the
             # leanest split (balanced for memory instead of time) may still fit exactly.
             for joint in (True, False):
-                split = self.splitter.split(sk, st, modes, objective="memory", joint=joint, period_limit=limit)
+                split = lean(joint)
                 if split is not None:
                     analysis = timed(split)
                     if analysis is not None and analysis.fits:

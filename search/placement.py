@@ -100,9 +100,10 @@ def _ends(model) -> tuple[int, int]:
 def place(tables: Tables, *, dp: int, micro_batch: int, num_micro_batches: int, sequence_parallel: bool,
           kinds: list[Kind], zeros: list[int], modes: list[str], max_stages: int, use_all_gpus: bool,
           alternatives: int, det_time_limit: float, seed: int, stats: PlacementStats,
-          orders: int = 2) -> list[Skeleton]:
-    """Device-group sequences for one (dp, micro-batch): the CP-SAT optimum and up to
-    ``alternatives - 1`` next-best distinct sequences (each excluded by a no-good cut).
+          orders: int = 2) -> "Proposals | None":
+    """CP-SAT's proposals for one (dp, micro-batch), with its optimum solved (None where
+    nothing is proposed); ``Proposals.more`` adds up to ``alternatives - 1`` next-best
+    distinct sequences (each excluded by a no-good cut).
 
     Sized with the leanest ZeRO stage short of 3 (ZeRO 0-2 cost the same time here);
     only where that proposes nothing (the model does not fit the pools without sharding
@@ -112,28 +113,66 @@ def place(tables: Tables, *, dp: int, micro_batch: int, num_micro_batches: int, 
     plan of the benchmark's three-type clusters (64 to 4,096 GPUs) stayed the same."""
     lean = [z for z in zeros if z < 3 or dp == 1]
     tries = ([max(lean)] if lean else []) + ([3] if 3 in zeros and dp > 1 else [])
-    out: list[Skeleton] = []
     for z in tries:
-        out = _place(tables, dp=dp, micro_batch=micro_batch, num_micro_batches=num_micro_batches,
-                     sequence_parallel=sequence_parallel, kinds=kinds, zero=z, modes=modes,
-                     max_stages=max_stages, use_all_gpus=use_all_gpus, alternatives=alternatives,
-                     det_time_limit=det_time_limit, seed=seed, stats=stats, orders=orders)
-        if out:
-            break
-    stats.skeletons += len(out)
-    return out
+        props = Proposals(tables, dp=dp, micro_batch=micro_batch, num_micro_batches=num_micro_batches,
+                          sequence_parallel=sequence_parallel, kinds=kinds, zero=z, modes=modes,
+                          max_stages=max_stages, use_all_gpus=use_all_gpus, alternatives=alternatives,
+                          det_time_limit=det_time_limit, seed=seed, stats=stats, orders=orders)
+        # (Until a sequence is allocated: a solution whose groups the pools cannot lay out
+        # proposes nothing, and the next-best may.)
+        while not props.found and props.solve():
+            pass
+        if props.found:
+            return props
+    return None
 
 
-def _place(tables: Tables, *, dp: int, micro_batch: int, num_micro_batches: int, sequence_parallel: bool,
+class Proposals:
+    """The CP-SAT model of one (dp, micro-batch, ZeRO stage) and the device-group
+    sequences its solutions gave so far, best first."""
+
+    def __init__(self, tables: Tables, **kw):
+        self.found: list[Skeleton] = []
+        """Distinct sequences proposed so far, in the order found."""
+        self.estimate_s: float | None = None
+        """The optimum's objective in seconds (the model's coarse 1F1B closed form: a way
+        to compare data-parallel degrees, not a bound); None before it is solved."""
+        self._left = max(1, kw.pop("alternatives"))
+        self._solve = _model(tables, **kw, found=self.found)
+
+    def solve(self) -> bool:
+        """Solve once more (the next-best set of runs); False when nothing is left."""
+        if self._left <= 0 or self._solve is None:
+            return False
+        self._left -= 1
+        value = self._solve()
+        if value is None:
+            self._left = 0
+            return False
+        if self.estimate_s is None:
+            self.estimate_s = value
+        return True
+
+    def more(self) -> list[Skeleton]:
+        """Every sequence the alternatives allowed, solving what is left."""
+        while self.solve():
+            pass
+        return self.found
+
+
+def _model(tables: Tables, *, dp: int, micro_batch: int, num_micro_batches: int, sequence_parallel: bool,
            kinds: list[Kind], zero: int, modes: list[str], max_stages: int, use_all_gpus: bool,
-           alternatives: int, det_time_limit: float, seed: int, stats: PlacementStats,
-           orders: int = 2) -> list[Skeleton]:
+           det_time_limit: float, seed: int, stats: PlacementStats, orders: int, found: list[Skeleton]):
+    """The CP-SAT model of one (dp, micro-batch, ZeRO stage) as a function that solves it
+    once, adds the sequences of the solution to ``found``, cuts that solution off and
+    returns its objective in seconds (None: infeasible or no solution in time); None
+    when there is nothing to place."""
     model, cluster = tables.model, tables.cluster
     L = model.num_layers
     lead, tail = _ends(model)
     nb = L - lead - tail
     if nb < 1 or not kinds:
-        return []
+        return None
     m, b = num_micro_batches, micro_batch
     stack = tables.stack
     w = stack.gathered_weights_bytes_per_param
@@ -199,116 +238,107 @@ def _place(tables: Tables, *, dp: int, micro_batch: int, num_micro_batches: int,
         min(n.bandwidth for n in nics) * 0.85)
     S_max = min(max_stages, nb)
 
-    found: list[Skeleton] = []
-    cuts: list[list] = []
-    for _ in range(max(1, alternatives)):
-        mdl = cp_model.CpModel()
-        u = {g: mdl.NewBoolVar(f"u{g}") for g in K}                     # kind g forms a run
-        n = {g: mdl.NewIntVar(0, N[g], f"n{g}") for g in K}             # its device groups
-        c = {g: mdl.NewIntVar(0, nb, f"c{g}") for g in K}               # body units per stage
-        rho = {(g, q): mdl.NewBoolVar(f"rho{g}_{q}") for g in K for q in qs}
-        bare = {}
-        for g in K:
-            mdl.Add(n[g] >= u[g])
-            mdl.Add(n[g] <= N[g] * u[g])
-            # A run holds body units, except a single first (last) stage may hold only
-            # the embedding (head): that is how little a slow device can usefully take.
-            bare[g] = mdl.NewBoolVar(f"bare{g}")
-            mdl.Add(c[g] >= u[g] - bare[g])
-            mdl.Add(c[g] <= nb * u[g])
-            mdl.Add(sum(rho[g, q] for q in qs) == u[g])
-        used = {}
-        for k in pools:
-            mine = [g for g in K if kinds[g].pool == k]
-            used[k] = sum(u[g] for g in mine)
-            mdl.Add(used[k] <= 1)      # one run, one tp per node group
-            gpus = sum(n[g] * dp * kinds[g].tp for g in mine)
-            if use_all_gpus:
-                mdl.Add(gpus == cluster.groups[k].num_gpus)
-        stages = sum(n.values())
-        mdl.Add(stages >= 1)
-        mdl.Add(stages <= S_max)
-        # nc[g] = n[g] * c[g]: units the run holds; together they cover the body.
-        nc = {}
-        for g in K:
-            nc[g] = mdl.NewIntVar(0, N[g] * nb, f"nc{g}")
-            mdl.AddMultiplicationEquality(nc[g], [n[g], c[g]])
-        mdl.Add(sum(nc.values()) >= nb)
-        # Order of the runs: before[k, l] = node group k's run precedes l's.
-        before = {}
-        for k in pools:
-            for l in pools:
-                if k < l:
-                    before[k, l] = mdl.NewBoolVar(f"b{k}_{l}")
-                    before[l, k] = before[k, l].Not()
-        for k in pools:
-            for l in pools:
-                for j in pools:
-                    if len({k, l, j}) == 3:
-                        mdl.AddBoolOr([before[k, l].Not(), before[l, j].Not(), before[k, j]])
-        npool = {k: sum(n[g] for g in K if kinds[g].pool == k) for k in pools}
-        # after[k]: stages behind node group k's run (they set its in-flight count).
-        after = {}
-        for k in pools:
-            terms = []
-            for l in pools:
-                if l == k:
-                    continue
-                z = mdl.NewIntVar(0, S_max, f"a{k}_{l}")
-                mdl.Add(z <= npool[l])
-                mdl.Add(z <= S_max * before[k, l])
-                mdl.Add(z >= npool[l] - S_max * (1 - before[k, l]))
-                terms.append(z)
-            after[k] = mdl.NewIntVar(0, S_max, f"after{k}")
-            mdl.Add(after[k] == sum(terms))
-        first, last = {}, {}
-        for k in pools:
-            # First run: every other used run comes after it; last: none does.
-            first[k] = mdl.NewBoolVar(f"first{k}")
-            last[k] = mdl.NewBoolVar(f"last{k}")
-            mdl.Add(after[k] == stages - npool[k]).OnlyEnforceIf(first[k])
-            mdl.Add(after[k] != stages - npool[k]).OnlyEnforceIf(first[k].Not())
-            mdl.Add(after[k] == 0).OnlyEnforceIf(last[k])
-            mdl.Add(after[k] >= 1).OnlyEnforceIf(last[k].Not())
-        for g in K:
-            k = kinds[g].pool
-            mdl.Add(n[g] == 1).OnlyEnforceIf(bare[g])
-            mdl.AddBoolOr([first[k], last[k]]).OnlyEnforceIf(bare[g])
-        horizon = ti(max(T[g, q] for g in K for q in qs) * nb + max(E.values()) + max(H.values())) + 10
-        tau = mdl.NewIntVar(0, horizon, "tau")
-        big_t = horizon
-        for g in K:
-            k = kinds[g].pool
-            # In flight at the run's front stage under 1F1B: the stages from there to the end.
-            front = mdl.NewIntVar(0, S_max, f"front{g}")
-            mdl.AddMinEquality(front, [after[k] + n[g], m])
-            cf = mdl.NewIntVar(0, S_max * nb, f"cf{g}")
-            mdl.AddMultiplicationEquality(cf, [c[g], front])
-            for q in qs:
-                on = [rho[g, q]]
-                mdl.Add(tau >= ti(T[g, q]) * c[g] + ti(E[g]) * first[k] + ti(H[g]) * last[k]
-                        - big_t * (1 - rho[g, q]))
-                # The run's front stage (most in flight) and, for the last run, its last
-                # stage (the head's logits) must fit.
-                mdl.Add(mi(SB[g]) * c[g] + mi(A[g, q]) * cf + mi(SE[g]) * first[k] + mi(Ae[g]) * m * first[k]
-                        + mi(TR[g]) <= mi(cap[g])).OnlyEnforceIf(on)
-                mdl.Add(mi(SB[g] + A[g, q]) * c[g] + mi(SH[g] + Ah[g] + TRH[g]) * last[k] + mi(TR[g])
-                        <= mi(cap[g])).OnlyEnforceIf(on)
-        fill = sum(ti(T[g, qs[0]]) * nc[g] for g in K)
-        hops = sum(used.values()) - 1
-        # The iteration ends with the slowest stage's optimizer step.
-        tail = mdl.NewIntVar(0, horizon, "tail")
-        for g in K:
-            mdl.Add(tail >= ti(OPT[g]) * c[g])
-        mdl.Minimize((m - 1) * tau + fill + 2 * ti(hop) * hops + tail)
-        for sol in cuts:
-            # Not this same set of runs again: some kind switches on or off, or a count differs.
-            lits = [u[g] for g in K if g not in sol] + [u[g].Not() for g in sol]
-            for g, count in sol.items():
-                diff = mdl.NewBoolVar(f"d{g}_{count}")
-                mdl.Add(n[g] != count).OnlyEnforceIf(diff)
-                lits.append(diff)
-            mdl.AddBoolOr(lits)
+    mdl = cp_model.CpModel()
+    u = {g: mdl.NewBoolVar(f"u{g}") for g in K}                     # kind g forms a run
+    n = {g: mdl.NewIntVar(0, N[g], f"n{g}") for g in K}             # its device groups
+    c = {g: mdl.NewIntVar(0, nb, f"c{g}") for g in K}               # body units per stage
+    rho = {(g, q): mdl.NewBoolVar(f"rho{g}_{q}") for g in K for q in qs}
+    bare = {}
+    for g in K:
+        mdl.Add(n[g] >= u[g])
+        mdl.Add(n[g] <= N[g] * u[g])
+        # A run holds body units, except a single first (last) stage may hold only
+        # the embedding (head): that is how little a slow device can usefully take.
+        bare[g] = mdl.NewBoolVar(f"bare{g}")
+        mdl.Add(c[g] >= u[g] - bare[g])
+        mdl.Add(c[g] <= nb * u[g])
+        mdl.Add(sum(rho[g, q] for q in qs) == u[g])
+    used = {}
+    for k in pools:
+        mine = [g for g in K if kinds[g].pool == k]
+        used[k] = sum(u[g] for g in mine)
+        mdl.Add(used[k] <= 1)      # one run, one tp per node group
+        gpus = sum(n[g] * dp * kinds[g].tp for g in mine)
+        if use_all_gpus:
+            mdl.Add(gpus == cluster.groups[k].num_gpus)
+    stages = sum(n.values())
+    mdl.Add(stages >= 1)
+    mdl.Add(stages <= S_max)
+    # nc[g] = n[g] * c[g]: units the run holds; together they cover the body.
+    nc = {}
+    for g in K:
+        nc[g] = mdl.NewIntVar(0, N[g] * nb, f"nc{g}")
+        mdl.AddMultiplicationEquality(nc[g], [n[g], c[g]])
+    mdl.Add(sum(nc.values()) >= nb)
+    # Order of the runs: before[k, l] = node group k's run precedes l's.
+    before = {}
+    for k in pools:
+        for l in pools:
+            if k < l:
+                before[k, l] = mdl.NewBoolVar(f"b{k}_{l}")
+                before[l, k] = before[k, l].Not()
+    for k in pools:
+        for l in pools:
+            for j in pools:
+                if len({k, l, j}) == 3:
+                    mdl.AddBoolOr([before[k, l].Not(), before[l, j].Not(), before[k, j]])
+    npool = {k: sum(n[g] for g in K if kinds[g].pool == k) for k in pools}
+    # after[k]: stages behind node group k's run (they set its in-flight count).
+    after = {}
+    for k in pools:
+        terms = []
+        for l in pools:
+            if l == k:
+                continue
+            z = mdl.NewIntVar(0, S_max, f"a{k}_{l}")
+            mdl.Add(z <= npool[l])
+            mdl.Add(z <= S_max * before[k, l])
+            mdl.Add(z >= npool[l] - S_max * (1 - before[k, l]))
+            terms.append(z)
+        after[k] = mdl.NewIntVar(0, S_max, f"after{k}")
+        mdl.Add(after[k] == sum(terms))
+    first, last = {}, {}
+    for k in pools:
+        # First run: every other used run comes after it; last: none does.
+        first[k] = mdl.NewBoolVar(f"first{k}")
+        last[k] = mdl.NewBoolVar(f"last{k}")
+        mdl.Add(after[k] == stages - npool[k]).OnlyEnforceIf(first[k])
+        mdl.Add(after[k] != stages - npool[k]).OnlyEnforceIf(first[k].Not())
+        mdl.Add(after[k] == 0).OnlyEnforceIf(last[k])
+        mdl.Add(after[k] >= 1).OnlyEnforceIf(last[k].Not())
+    for g in K:
+        k = kinds[g].pool
+        mdl.Add(n[g] == 1).OnlyEnforceIf(bare[g])
+        mdl.AddBoolOr([first[k], last[k]]).OnlyEnforceIf(bare[g])
+    horizon = ti(max(T[g, q] for g in K for q in qs) * nb + max(E.values()) + max(H.values())) + 10
+    tau = mdl.NewIntVar(0, horizon, "tau")
+    big_t = horizon
+    for g in K:
+        k = kinds[g].pool
+        # In flight at the run's front stage under 1F1B: the stages from there to the end.
+        front = mdl.NewIntVar(0, S_max, f"front{g}")
+        mdl.AddMinEquality(front, [after[k] + n[g], m])
+        cf = mdl.NewIntVar(0, S_max * nb, f"cf{g}")
+        mdl.AddMultiplicationEquality(cf, [c[g], front])
+        for q in qs:
+            on = [rho[g, q]]
+            mdl.Add(tau >= ti(T[g, q]) * c[g] + ti(E[g]) * first[k] + ti(H[g]) * last[k]
+                    - big_t * (1 - rho[g, q]))
+            # The run's front stage (most in flight) and, for the last run, its last
+            # stage (the head's logits) must fit.
+            mdl.Add(mi(SB[g]) * c[g] + mi(A[g, q]) * cf + mi(SE[g]) * first[k] + mi(Ae[g]) * m * first[k]
+                    + mi(TR[g]) <= mi(cap[g])).OnlyEnforceIf(on)
+            mdl.Add(mi(SB[g] + A[g, q]) * c[g] + mi(SH[g] + Ah[g] + TRH[g]) * last[k] + mi(TR[g])
+                    <= mi(cap[g])).OnlyEnforceIf(on)
+    fill = sum(ti(T[g, qs[0]]) * nc[g] for g in K)
+    hops = sum(used.values()) - 1
+    # The iteration ends with the slowest stage's optimizer step.
+    tail = mdl.NewIntVar(0, horizon, "tail")
+    for g in K:
+        mdl.Add(tail >= ti(OPT[g]) * c[g])
+    mdl.Minimize((m - 1) * tau + fill + 2 * ti(hop) * hops + tail)
+
+    def solve() -> float | None:
         solver = cp_model.CpSolver()
         solver.parameters.num_workers = 1
         solver.parameters.random_seed = seed
@@ -322,7 +352,8 @@ def _place(tables: Tables, *, dp: int, micro_batch: int, num_micro_batches: int,
         if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
             if status == cp_model.INFEASIBLE:
                 stats.infeasible += 1
-            break
+            return None
+        before = len(found)
         runs = [(solver.Value(after[kinds[g].pool]), g) for g in K if solver.Value(u[g])]
         ordered = [g for _, g in sorted(runs, reverse=True)]
         # The model orders runs only through memory (in-flight counts) and sizes them by
@@ -338,5 +369,15 @@ def _place(tables: Tables, *, dp: int, micro_batch: int, num_micro_batches: int,
             sk = allocate(tables, dp, seq)
             if sk is not None and all(sk.groups != f.groups for f in found):
                 found.append(sk)
-        cuts.append({g: solver.Value(n[g]) for g in K if solver.Value(u[g])})
-    return found
+        # Not this same set of runs again: some kind switches on or off, or a count differs.
+        sol = {g: solver.Value(n[g]) for g in K if solver.Value(u[g])}
+        lits = [u[g] for g in K if g not in sol] + [u[g].Not() for g in sol]
+        for g, count in sol.items():
+            diff = mdl.NewBoolVar(f"d{g}_{count}")
+            mdl.Add(n[g] != count).OnlyEnforceIf(diff)
+            lits.append(diff)
+        mdl.AddBoolOr(lits)
+        stats.skeletons += len(found) - before
+        return solver.ObjectiveValue() / t_scale
+
+    return solve

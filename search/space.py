@@ -65,7 +65,12 @@ class Constraints:
     """Budget of exact simulations the split refinement may spend in one search (it runs
     only for short schedule programs, where the DP's objective is approximate)."""
     placement_alternatives: int = 3
-    """Device-group sequences CP-SAT returns per (dp, micro-batch) on heterogeneous clusters."""
+    """Device-group sequences CP-SAT returns per (dp, micro-batch) on heterogeneous clusters
+    (for the data-parallel degrees within ``placement_alternatives_within``; one elsewhere)."""
+    placement_alternatives_within: float = 0.2
+    """CP-SAT's next-best sequences are sought for a data-parallel degree only where its
+    optimum's objective (the placement model's closed form) is within this fraction of the
+    best degree's (``float('inf')``: for every degree)."""
     placement_orders: int = 2
     """On a CP-SAT solution of up to this many runs (node groups used), every order of its
     runs is proposed; beyond, the solution's order and its reverse. 3 covers every order
@@ -173,6 +178,10 @@ class Constraints:
                 if v is not None and (not isinstance(v, (int, float)) or isinstance(v, bool) or v <= 0):
                     raise ConfigError(k, f"must be a positive number of seconds, got {v!r}")
                 out[k] = None if v is None else float(v)
+            elif k == "placement_alternatives_within":
+                if not isinstance(v, (int, float)) or isinstance(v, bool) or not v >= 0:
+                    raise ConfigError(k, f"must be a fraction >= 0 (inf: every degree), got {str(v)[:40]!r}")
+                out[k] = float(v)
             elif k == "placement_time_limit":
                 if not isinstance(v, (int, float)) or isinstance(v, bool) or not 0 < v <= 3600:
                     raise ConfigError(k, f"must be a number of seconds in (0, 3600], got {str(v)[:40]!r}")

@@ -225,12 +225,19 @@ def test_stats_account_for_every_candidate(mixed_result):
 
 
 def test_large_spaces_are_placed_by_cp_sat():
+    """CP-SAT proposes the pipelines; its next-best alternatives are sought only for the
+    data-parallel degrees whose optimum is within placement_alternatives_within of the best
+    one's: with 0 only the best degree gets them, fewer pipelines are proposed (a part of
+    the others), and the best plan is no faster."""
     model = models.get("gpt3-1.3b")
     cluster = Cluster.load("examples/clusters/small-mixed-v100-t4.json")
     result = search(model, cluster, 64, max_exhaustive_pipelines=1, progress=False)
     p = result.stats.placement
     assert p.enumerated == 0 and p.solves > 0 and p.skeletons > 0 and "CP-SAT" in result.stats.summary()
     assert result.best.estimate.fits
+    near = search(model, cluster, 64, max_exhaustive_pipelines=1, placement_alternatives_within=0.0, progress=False)
+    assert near.stats.placement.solves < p.solves and near.stats.placement.skeletons < p.skeletons
+    assert near.best.estimate.iteration_time_s >= result.best.estimate.iteration_time_s * (1 - 1e-9)
 
 
 def test_table_and_explain(mixed_result):
@@ -284,7 +291,9 @@ def test_fewer_gpus_are_reported_and_can_be_forbidden():
     ({"recompute": []}, "recompute"),
     ({"max_estimates": 0}, "max_estimates"),
     ({"ep": [0]}, "ep"),
-], ids=["unknown-keyword", "unknown-schedule", "bad-zero", "bad-tp", "empty-recompute", "bad-budget", "bad-ep"])
+    ({"placement_alternatives_within": -0.1}, "placement_alternatives_within"),
+], ids=["unknown-keyword", "unknown-schedule", "bad-zero", "bad-tp", "empty-recompute", "bad-budget", "bad-ep",
+        "negative-fraction"])
 def test_bad_constraints_name_the_field(kwargs, field):
     with pytest.raises(ConfigError) as err:
         search(toy_model("5x512"), toy_cluster(3), 8, progress=False, **kwargs)
