@@ -353,15 +353,19 @@ class Splitter:
             if remembered is not False:
                 return remembered
         self.runs += 1
-        costs = np.empty((S, L + 1, K))
-        choices = np.empty((S, L + 1, K), dtype=np.int8)
+        # Stages costed alike share one band: costs[which[j]] is stage j's (L + 1, K) band
+        # of costs and choices[which[j]] its recompute modes, so the recurrences below
+        # prepare each band once, however many stages read it.
+        cost_parts, choice_parts = [], []
+        which = [0] * S
         limited = np.isfinite(period_limit)
         for time_m, base, act, floor, rows in alike.values():
             t_band = band(time_m, INF)                           # (modes, L + 1, K)
             if unlimited:
-                js = rows[None]
-                costs[js] = t_band[0]
-                choices[js] = qs[0]
+                for j in rows[None]:
+                    which[j] = len(cost_parts)
+                cost_parts.append(t_band[:1])
+                choice_parts.append(np.full(t_band[:1].shape, qs[0], dtype=np.int8))
                 continue
             keys = list(rows)
             n = np.array([k[0] for k in keys], dtype=float)[:, None, None]
@@ -399,9 +403,13 @@ class Splitter:
                     best = np.where(better, val, best)
                     choice = np.where(better, np.int8(q), choice)
             for r, k in enumerate(keys):
-                costs[rows[k]] = best[r]
-                choices[rows[k]] = choice[r]
-        period = _minmax(costs, start, valid, L)
+                for j in rows[k]:
+                    which[j] = sum(len(c) for c in cost_parts) + r
+            cost_parts.append(best)
+            choice_parts.append(choice)
+        costs = cost_parts[0] if len(cost_parts) == 1 else np.concatenate(cost_parts)
+        choices = choice_parts[0] if len(choice_parts) == 1 else np.concatenate(choice_parts)
+        period = _minmax(costs, which, start, valid, L)
         if period is None:
             if memo_key is not None:
                 self._memo[memo_key] = (None, period_limit)
@@ -417,16 +425,16 @@ class Splitter:
             cands += list(vals[:3])
         best_obj, best_split = INF, None
         for tau in cands:
-            found = _minsum(costs, start, valid, L, tau)
+            found = _minsum(costs, which, start, valid, L, tau)
             if found is None:
                 continue
             total, picks = found
             bounds = [(e - d, e) for e, d in picks]
-            real_period = max(float(costs[j][e, d - 1]) for j, (e, d) in enumerate(picks))
+            real_period = max(float(costs[which[j]][e, d - 1]) for j, (e, d) in enumerate(picks))
             obj = (m - 1) * real_period + total if objective == "time" else real_period
             if obj < best_obj * (1 - 1e-12):
                 best_obj = obj
-                rec = tuple(RECOMPUTES[int(choices[j][e, d - 1])] for j, (e, d) in enumerate(picks))
+                rec = tuple(RECOMPUTES[int(choices[which[j]][e, d - 1])] for j, (e, d) in enumerate(picks))
                 best_split = Split(bounds=tuple(bounds), recompute=rec, period=real_period, total=total)
         if memo_key is not None:
             self._memo[memo_key] = (best_split, period_limit)
@@ -566,20 +574,24 @@ def _sharding(group, st: Setting) -> int:
     return group.dp * group.cp if st.zero >= 1 else 1
 
 
-def _minmax(costs: np.ndarray, start: np.ndarray, valid: np.ndarray, L: int) -> float | None:
-    """Smallest achievable max_j cost_j over contiguous splits of L units into len(costs)
-    non-empty stages (costs[j, e, d-1]: stage j ending at e with d units)."""
+def _minmax(costs: np.ndarray, which: list[int], start: np.ndarray, valid: np.ndarray, L: int) -> float | None:
+    """Smallest achievable max_j cost_j over contiguous splits of L units into len(which)
+    non-empty stages (costs[which[j], e, d-1]: stage j ending at e with d units)."""
     # best[L + 1] stays INF: stages that would start before unit 0 read it (one gather
     # per stage instead of a gather and a select).
     gather = np.where(valid, start, L + 1)
     best = np.full(L + 2, INF)
     best[0] = 0.0
-    for c in costs:
-        best[:L + 1] = np.maximum(best[gather], c).min(axis=1)
+    tmp = np.empty(gather.shape)
+    # (The ufuncs are called directly, into reused buffers: the arrays are small and
+    # there is one step per stage, so per-call overhead is most of the cost.)
+    for i in which:
+        np.maximum(best.take(gather), costs[i], out=tmp)
+        np.minimum.reduce(tmp, axis=1, out=best[:L + 1])
     return float(best[L]) if np.isfinite(best[L]) else None
 
 
-def _minsum(costs: np.ndarray, start: np.ndarray, valid: np.ndarray, L: int,
+def _minsum(costs: np.ndarray, which: list[int], start: np.ndarray, valid: np.ndarray, L: int,
             cap: float) -> tuple[float, list[tuple[int, int]]] | None:
     """Smallest sum of stage costs with every stage at most ``cap``; returns (sum,
     [(end, length)] per stage). Ties go to the shortest stage (np.argmin takes the first),
@@ -587,18 +599,18 @@ def _minsum(costs: np.ndarray, start: np.ndarray, valid: np.ndarray, L: int,
     limit = cap * (1 + 1e-9)
     # No stage longer than the longest run within the cap can be used: drop those columns.
     within = costs <= limit
-    usable = np.nonzero(within.any(axis=(0, 1)))[0]
+    usable = np.nonzero(np.logical_or.reduce(within, axis=(0, 1)))[0]
     if len(usable) == 0:
         return None
     K = int(usable[-1]) + 1
-    costs = np.where(within[:, :, :K], costs[:, :, :K], INF)
+    masked = np.where(within[:, :, :K], costs[:, :, :K], INF)
     gather = np.where(valid[:, :K], start[:, :K], L + 1)   # (see _minmax)
     best = np.full(L + 2, INF)
     best[0] = 0.0
     back = []
     rows = np.arange(L + 1)
-    for c in costs:
-        tot = best[gather] + c
+    for i in which:
+        tot = best.take(gather) + masked[i]
         arg = tot.argmin(axis=1)
         best[:L + 1] = tot[rows, arg]
         back.append(arg)
