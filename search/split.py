@@ -70,6 +70,8 @@ class Splitter:
         self._memo: dict = {}
         self.runs = 0
         """DP runs (for the search statistics; splits shared from the cache not counted)."""
+        self.unreached = 0
+        """DPs found to have no answer without running them (see _out_of_reach)."""
 
     # ---------------------------------------------------------- matrices
     def _time_mats(self, sk: Skeleton, g: int, st: Setting) -> np.ndarray:
@@ -352,6 +354,11 @@ class Splitter:
             remembered = self._recall(memo_key, period_limit)
             if remembered is not False:
                 return remembered
+        if objective == "time" and not unlimited and self._out_of_reach(per_group, counts, shares, st, qs, period_limit):
+            self.unreached += 1
+            if memo_key is not None:
+                self._memo[memo_key] = (None, period_limit)
+            return None
         self.runs += 1
         # Stages costed alike share one band: costs[which[j]] is stage j's (L + 1, K) band
         # of costs and choices[which[j]] its recompute modes, so the recurrences below
@@ -439,6 +446,42 @@ class Splitter:
         if memo_key is not None:
             self._memo[memo_key] = (best_split, period_limit)
         return best_split
+
+    def _out_of_reach(self, per_group: list, counts, shares, st: Setting, qs: list[int],
+                      period_limit: float) -> bool:
+        """Whether no split can have every stage fit (and cost at most ``period_limit``),
+        proved without the DP: stage after stage, take the longest run of units from where
+        the previous stage ended that fits it in some allowed mode. A stage's memory and
+        time only grow with its run (prefix sums and range maxima of non-negative terms,
+        correctly rounded), so a run inside one that fits fits too; then after j stages no
+        split can end further than this, and where it falls short of the last unit nothing
+        fits. The same arithmetic as the DP's, so it never rules out a split the DP finds."""
+        P, v, L = len(per_group), st.virtual_stages, self.L
+        limited = np.isfinite(period_limit)
+        every = qs == list(range(len(RECOMPUTES)))
+        # (Basic slices of the matrices, not a gather per stage: with every mode allowed
+        # the matrices are read as they are.)
+        mats = [tuple(m if m is None or every else m[qs] for m in entry[:4]) for entry in per_group]
+        s = 0
+        for j in range(P * v):
+            g, chunk = j % P, j // P
+            time_m, base, act, floor = mats[g]
+            room = per_group[g][4]
+            budget = room if v == 1 else room * shares[g][chunk]
+            need = base[:, s, s + 1:] + float(counts[g][chunk]) * act[:, s, s + 1:]
+            if floor is not None:
+                need = np.maximum(need, floor[:, s, s + 1:])
+            ok = need <= budget
+            if limited:
+                ok &= time_m[:, s, s + 1:] <= period_limit
+            # (Each mode's ok holds on a prefix of the ends, so their union does too.)
+            step = int(np.count_nonzero(np.logical_or.reduce(ok, axis=0)))
+            if step == 0:
+                return True
+            s += step
+            if s >= L:
+                return False
+        return True
 
     def _recall(self, key, period_limit: float):
         """A DP's result remembered under ``key`` that holds under ``period_limit``, or
