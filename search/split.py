@@ -365,6 +365,7 @@ class Splitter:
         # prepare each band once, however many stages read it.
         cost_parts, choice_parts = [], []
         which = [0] * S
+        inputs: list = [None] * S   # (time objective: what a stage's mode is chosen from)
         limited = np.isfinite(period_limit)
         for time_m, base, act, floor, rows in alike.values():
             t_band = band(time_m, INF)                           # (modes, L + 1, K)
@@ -379,28 +380,47 @@ class Splitter:
             cap_j = np.array([k[1] for k in keys])[:, None, None]
             base_b, act_b = band(base, 0.0), band(act, 0.0)
             floor_b = band(floor, 0.0) if floor is not None else None
-            # (Where a test holds for a whole row or the whole band, it is settled once
-            # on the row or the band instead of on every element.)
+            if objective == "time":
+                # The time objective keeps only the least time over the modes that fit;
+                # which mode gives it is worked out for the chosen stages alone (see
+                # mode_of), the one place it is read.
+                best = np.full((len(keys),) + t_band.shape[1:], INF)
+                need = np.empty(best.shape)
+                fits = np.empty(best.shape, dtype=bool)
+                for i, q in enumerate(qs):
+                    np.multiply(n, act_b[i][None], out=need)
+                    np.add(base_b[i][None], need, out=need)
+                    if floor_b is not None:
+                        # The optimizer step's temporaries can outgrow the compute phase's.
+                        np.maximum(need, floor_b[i][None], out=need)
+                    t_i = t_band[i]
+                    if limited:
+                        t_i = np.where(t_i <= period_limit, t_i, INF)
+                    np.less_equal(need, cap_j, out=fits)
+                    np.minimum(best, np.where(fits, t_i[None], INF), out=best)
+                for r, k in enumerate(keys):
+                    for j in rows[k]:
+                        which[j] = sum(len(c) for c in cost_parts) + r
+                        inputs[j] = (t_band, base_b, act_b, floor_b, float(k[0]), k[1])
+                cost_parts.append(best)
+                choice_parts.append(None)
+                continue
             no_room = [r for r, k in enumerate(keys) if not k[1] > 0]
             safe_cap = np.where(cap_j > 0, cap_j, 1.0)
             best = choice = None
             for i, q in enumerate(qs):
                 need = base_b[i][None] + n * act_b[i][None]
                 if floor_b is not None:
-                    # The optimizer step's temporaries can outgrow the compute phase's.
                     need = np.maximum(need, floor_b[i][None])
                 t_i = t_band[i]
                 if limited:
                     t_i = np.where(t_i <= period_limit, t_i, INF)
-                if objective == "memory":
-                    # A device with no budget left (cap 0) takes nothing: any need is
-                    # infinite there, and 0/0 must not become NaN.
-                    frac = need / safe_cap
-                    for r in no_room:
-                        frac[r] = np.where(need[r] > 0, INF, 0.0)
-                    val = np.where(t_i[None] < INF, frac, INF) if limited else frac
-                else:
-                    val = np.where(need <= cap_j, t_i[None], INF)
+                # A device with no budget left (cap 0) takes nothing: any need is
+                # infinite there, and 0/0 must not become NaN.
+                frac = need / safe_cap
+                for r in no_room:
+                    frac[r] = np.where(need[r] > 0, INF, 0.0)
+                val = np.where(t_i[None] < INF, frac, INF) if limited else frac
                 # The first of equal modes wins: the fastest (modes are listed fastest
                 # first), so a later mode must be strictly better.
                 if best is None:
@@ -415,7 +435,28 @@ class Splitter:
             cost_parts.append(best)
             choice_parts.append(choice)
         costs = cost_parts[0] if len(cost_parts) == 1 else np.concatenate(cost_parts)
-        choices = choice_parts[0] if len(choice_parts) == 1 else np.concatenate(choice_parts)
+        choices = None if objective == "time" and not unlimited else \
+            choice_parts[0] if len(choice_parts) == 1 else np.concatenate(choice_parts)
+
+        def mode_of(j: int, e: int, d: int) -> int:
+            """Recompute mode of stage j ending at e with d units: the first allowed mode
+            with the least time among those that fit, as the arrays above would say, by
+            the same arithmetic on the one element."""
+            if choices is not None:
+                return int(choices[which[j]][e, d - 1])
+            t_band, base_b, act_b, floor_b, count, cap = inputs[j]
+            pick, least = qs[0], INF
+            for i, q in enumerate(qs):
+                need = base_b[i][e, d - 1] + count * act_b[i][e, d - 1]
+                if floor_b is not None:
+                    need = max(need, floor_b[i][e, d - 1])
+                t = t_band[i][e, d - 1]
+                if limited and not t <= period_limit:
+                    t = INF
+                val = t if need <= cap else INF
+                if val < least:
+                    pick, least = q, val
+            return pick
         period = _minmax(costs, which, start, valid, L)
         if period is None:
             if memo_key is not None:
@@ -441,7 +482,7 @@ class Splitter:
             obj = (m - 1) * real_period + total if objective == "time" else real_period
             if obj < best_obj * (1 - 1e-12):
                 best_obj = obj
-                rec = tuple(RECOMPUTES[int(choices[which[j]][e, d - 1])] for j, (e, d) in enumerate(picks))
+                rec = tuple(RECOMPUTES[mode_of(j, e, d)] for j, (e, d) in enumerate(picks))
                 best_split = Split(bounds=tuple(bounds), recompute=rec, period=real_period, total=total)
         if memo_key is not None:
             self._memo[memo_key] = (best_split, period_limit)
@@ -450,12 +491,13 @@ class Splitter:
     def _out_of_reach(self, per_group: list, counts, shares, st: Setting, qs: list[int],
                       period_limit: float) -> bool:
         """Whether no split can have every stage fit (and cost at most ``period_limit``),
-        proved without the DP: stage after stage, take the longest run of units from where
-        the previous stage ended that fits it in some allowed mode. A stage's memory and
-        time only grow with its run (prefix sums and range maxima of non-negative terms,
-        correctly rounded), so a run inside one that fits fits too; then after j stages no
-        split can end further than this, and where it falls short of the last unit nothing
-        fits. The same arithmetic as the DP's, so it never rules out a split the DP finds."""
+        proved without the DP. A stage's memory and time only grow with its run (prefix
+        sums and range maxima of non-negative terms, correctly rounded), so a run inside
+        one that fits fits too. Let h be the furthest any split's first j - 1 stages can
+        end; a fitting stage j = [a, e) with a <= h either ends by h or contains [h, e),
+        which then fits: so stage j ends by h or by the longest fitting run from h. Where
+        this bound stays short of the last unit after every stage, nothing fits. The same
+        arithmetic as the DP's, so it never rules out a split the DP finds."""
         P, v, L = len(per_group), st.virtual_stages, self.L
         limited = np.isfinite(period_limit)
         every = qs == list(range(len(RECOMPUTES)))
@@ -475,10 +517,7 @@ class Splitter:
             if limited:
                 ok &= time_m[:, s, s + 1:] <= period_limit
             # (Each mode's ok holds on a prefix of the ends, so their union does too.)
-            step = int(np.count_nonzero(np.logical_or.reduce(ok, axis=0)))
-            if step == 0:
-                return True
-            s += step
+            s += int(np.count_nonzero(np.logical_or.reduce(ok, axis=0)))
             if s >= L:
                 return False
         return True
