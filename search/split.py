@@ -397,7 +397,8 @@ class Splitter:
                     if limited:
                         t_i = np.where(t_i <= period_limit, t_i, INF)
                     np.less_equal(need, cap_j, out=fits)
-                    np.minimum(best, np.where(fits, t_i[None], INF), out=best)
+                    # (Where it does not fit, the mode leaves the least as it is.)
+                    np.minimum(best, t_i[None], out=best, where=fits)
                 for r, k in enumerate(keys):
                     for j in rows[k]:
                         which[j] = sum(len(c) for c in cost_parts) + r
@@ -690,12 +691,12 @@ def _minsum(costs: np.ndarray, which: list[int], start: np.ndarray, valid: np.nd
     best = np.full(L + 2, INF)
     best[0] = 0.0
     back = []
-    rows = np.arange(L + 1)
     for i in which:
-        tot = best.take(gather) + masked[i]
-        arg = tot.argmin(axis=1)
-        best[:L + 1] = tot[rows, arg]
-        back.append(arg)
+        tot = best.take(gather)
+        tot += masked[i]
+        back.append(tot.argmin(axis=1))
+        # (The least of a row is the element its argmin points at: the same value.)
+        np.minimum.reduce(tot, axis=1, out=best[:L + 1])
     if not np.isfinite(best[L]):
         return None
     picks = []
