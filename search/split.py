@@ -354,7 +354,8 @@ class Splitter:
             remembered = self._recall(memo_key, period_limit)
             if remembered is not False:
                 return remembered
-        if objective == "time" and not unlimited and self._out_of_reach(per_group, counts, shares, st, qs, period_limit):
+        if objective == "time" and not unlimited \
+                and self._out_of_reach(per_group, counts, shares, st, qs, period_limit):
             self.unreached += 1
             if memo_key is not None:
                 self._memo[memo_key] = (None, period_limit)
