@@ -16,6 +16,8 @@ from dataclasses import dataclass, replace
 from functools import cached_property
 from typing import Sequence
 
+import numpy as np
+
 from autoplan.models.spec import ModelSpec
 from autoplan.plan import DeviceGroup, Plan, Stage
 from search.inflight import inflight
@@ -150,14 +152,15 @@ def stage_figures(tables: Tables, sk: Skeleton, st: Setting, bounds: Sequence[tu
     start, end, mode, stages) -- a stage's figures depend on nothing else -- read and
     filled (local search changes a stage or two per move)."""
     n = len(bounds)
+    groups = _GroupFigures(tables, sk, st)
     if known is None:
-        return [stage_figure(tables, sk, st, j, n, a, b, mode) for j, ((a, b), mode) in enumerate(zip(bounds, recompute))]
+        return [groups.stage(j, n, a, b, mode) for j, ((a, b), mode) in enumerate(zip(bounds, recompute))]
     out = []
     for j, ((a, b), mode) in enumerate(zip(bounds, recompute)):
         key = (j, a, b, mode, n)
         f = known.get(key)
         if f is None:
-            f = known[key] = stage_figure(tables, sk, st, j, n, a, b, mode)
+            f = known[key] = groups.stage(j, n, a, b, mode)
         out.append(f)
     return out
 
@@ -165,67 +168,105 @@ def stage_figures(tables: Tables, sk: Skeleton, st: Setting, bounds: Sequence[tu
 def stage_figure(tables: Tables, sk: Skeleton, st: Setting, j: int, n: int, a: int, b: int,
                  mode: str) -> StageFigures:
     """Costs of stage ``j`` of ``n`` (units [a, b), recompute ``mode``)."""
-    P = sk.pp
-    stack = tables.stack
-    g = j % P
-    group = sk.groups[g]
-    t = tables.table(sk.kinds[g], st.micro_batch, st.sequence_parallel).scalars
-    q = RECOMPUTES.index(mode)
-    fwd = t["cum_forward"][b] - t["cum_forward"][a]
-    cbi = t["cum_backward_input"][q]
-    bi = cbi[b] - cbi[a]
-    bw = t["cum_backward_weight"][b] - t["cum_backward_weight"][a]
-    params = t["cum_params"][b] - t["cum_params"][a]
-    cast = t["cum_cast_params"][b] - t["cum_cast_params"][a]
-    # Expert gradients go over the ranks holding the same experts (costmodel.experts).
-    ep = sk.ep
-    expert = t["cum_expert_params"][b] - t["cum_expert_params"][a] if ep > 1 else 0.0
+    return _GroupFigures(tables, sk, st).stage(j, n, a, b, mode)
 
-    def collective(per_param: float, kind: str) -> float:
-        return (tables.dp_collective(group, (params - expert) * per_param, kind)
-                + (tables.expert_dp_collective(group, ep, expert * per_param, kind) if expert else 0.0))
-    reduce = 0.0
-    if st.zero >= 3 and group.dp * group.cp > 1:
-        gather = collective(stack.gathered_weights_bytes_per_param, "all_gather")
-        scatter = collective(stack.grad_reduce_bytes_per_param, "reduce_scatter")
-        fwd = max(fwd, gather)
-        bi += max(0.0, gather + scatter - (bi + bw))
-    elif group.dp * group.cp > 1:
-        reduce = collective(stack.grad_reduce_bytes_per_param, stack.grad_reduce_kind(st.zero))
-    send_f = send_b = 0.0
-    if j < n - 1:
-        nxt = sk.groups[(j + 1) % P]
-        if nxt is not group:
-            send_f = tables.p2p(group, nxt, t["output_bytes"][b - 1])
-    if j > 0:
-        prv = sk.groups[(j - 1) % P]
-        if prv is not group:
-            send_b = tables.p2p(group, prv, t["output_bytes"][a - 1])
-    return StageFigures(
-        forward=fwd, backward_input=bi, backward_weight=bw, send_forward=send_f, send_backward=send_b,
-        grad_reduce=reduce, params=params, cast_params=cast,
-        activation=t["cum_activation"][q][b] - t["cum_activation"][q][a],
-        transient=t["max_transient"][q][a][b], max_params=t["max_params"][a][b], units=b - a,
-        zero_params=t["cum_zero_params"][b] - t["cum_zero_params"][a])
+
+class _GroupFigures:
+    """What every stage of one group shares (its table's prefix sums, its data-parallel
+    collectives' affine costs), looked up once per group instead of once per stage."""
+
+    def __init__(self, tables: Tables, sk: Skeleton, st: Setting):
+        self.tables, self.sk, self.st = tables, sk, st
+        self._of: dict = {}
+
+    def _group(self, g: int) -> tuple:
+        hit = self._of.get(g)
+        if hit is None:
+            tables, sk, st = self.tables, self.sk, self.st
+            group = sk.groups[g]
+            stack = tables.stack
+            t = tables.table(sk.kinds[g], st.micro_batch, st.sequence_parallel).scalars
+            shards = group.dp * group.cp
+            if st.zero >= 3 and shards > 1:
+                colls = ((stack.gathered_weights_bytes_per_param, tables.dp_affines(group, "all_gather"), "all_gather"),
+                         (stack.grad_reduce_bytes_per_param, tables.dp_affines(group, "reduce_scatter"),
+                          "reduce_scatter"))
+            elif shards > 1:
+                kind = stack.grad_reduce_kind(st.zero)
+                colls = ((stack.grad_reduce_bytes_per_param, tables.dp_affines(group, kind), kind),)
+            else:
+                colls = ()
+            hit = self._of[g] = (t, group, shards, colls)
+        return hit
+
+    def stage(self, j: int, n: int, a: int, b: int, mode: str) -> StageFigures:
+        """Costs of stage ``j`` of ``n`` (units [a, b), recompute ``mode``)."""
+        tables, sk = self.tables, self.sk
+        P = sk.pp
+        g = j % P
+        t, group, shards, colls = self._group(g)
+        q = RECOMPUTES.index(mode)
+        fwd = t["cum_forward"][b] - t["cum_forward"][a]
+        cbi = t["cum_backward_input"][q]
+        bi = cbi[b] - cbi[a]
+        bw = t["cum_backward_weight"][b] - t["cum_backward_weight"][a]
+        params = t["cum_params"][b] - t["cum_params"][a]
+        cast = t["cum_cast_params"][b] - t["cum_cast_params"][a]
+        # Expert gradients go over the ranks holding the same experts (costmodel.experts).
+        ep = sk.ep
+        expert = t["cum_expert_params"][b] - t["cum_expert_params"][a] if ep > 1 else 0.0
+
+        def collective(per_param: float, affines, kind: str) -> float:
+            # (tables.dp_collective on a scalar: the slowest data-parallel group.)
+            x = (params - expert) * per_param
+            out = max((a_ + b_ * x if x > 0 else 0.0) for a_, b_ in affines) if affines else 0.0 * x
+            return out + (tables.expert_dp_collective(group, ep, expert * per_param, kind) if expert else 0.0)
+        reduce = 0.0
+        if len(colls) == 2:
+            gather = collective(*colls[0])
+            scatter = collective(*colls[1])
+            fwd = max(fwd, gather)
+            bi += max(0.0, gather + scatter - (bi + bw))
+        elif colls:
+            reduce = collective(*colls[0])
+        send_f = send_b = 0.0
+        if j < n - 1:
+            nxt = sk.groups[(j + 1) % P]
+            if nxt is not group:
+                send_f = tables.p2p(group, nxt, t["output_bytes"][b - 1])
+        if j > 0:
+            prv = sk.groups[(j - 1) % P]
+            if prv is not group:
+                send_b = tables.p2p(group, prv, t["output_bytes"][a - 1])
+        return StageFigures(
+            forward=fwd, backward_input=bi, backward_weight=bw, send_forward=send_f, send_backward=send_b,
+            grad_reduce=reduce, params=params, cast_params=cast,
+            activation=t["cum_activation"][q][b] - t["cum_activation"][q][a],
+            transient=t["max_transient"][q][a][b], max_params=t["max_params"][a][b], units=b - a,
+            zero_params=t["cum_zero_params"][b] - t["cum_zero_params"][a])
 
 
 def group_memory(tables: Tables, sk: Skeleton, st: Setting, figs: Sequence[StageFigures]) -> list[float]:
     """Peak bytes per GPU of every pipeline group."""
     P, v = sk.pp, st.virtual_stages
     fl = inflight(st.schedule, P, st.num_micro_batches, v)
-    out = []
-    for g in range(P):
-        mine = figs[g::P]
-        params = sum(f.params for f in mine)
-        sharded = sum(f.zero_params for f in mine)
-        states = tables.state_bytes(params, max(f.max_params for f in mine), sk.shards, st.zero, sharded)
-        casts = tables.cast_bytes(sum(f.cast_params for f in mine), sk.shards, st.zero)
-        act = fl.peak_bytes(g, [f.activation for f in mine])
-        trans = max(f.transient for f in mine)
-        out.append(float(tables.memory_total(states, act, trans + casts,
-                                             tables.step_bytes(params, sk.shards, st.zero, sharded),
-                                             tables.fixed_bytes(sk.kinds[g].pool, sk.groups[g], P, sk.ep))))
-    return out
+
+    def per_chunk(name: str) -> np.ndarray:
+        # (v, P): chunk c of group g is stage c * P + g.
+        return np.array([getattr(f, name) for f in figs]).reshape(v, P)
+    # Every group at once; sums over a group's chunks go chunk after chunk, as a plain
+    # sum over them would (the same bits).
+    params = np.add.reduce(per_chunk("params"), axis=0)
+    sharded = np.add.reduce(per_chunk("zero_params"), axis=0)
+    states = tables.state_bytes(params, np.maximum.reduce(per_chunk("max_params"), axis=0), sk.shards, st.zero,
+                                sharded)
+    casts = tables.cast_bytes(np.add.reduce(per_chunk("cast_params"), axis=0), sk.shards, st.zero)
+    chunks = per_chunk("activation").T.tolist()
+    act = np.array([fl.peak_bytes(g, chunks[g]) for g in range(P)])
+    trans = np.maximum.reduce(per_chunk("transient"), axis=0)
+    fixed = np.array([tables.fixed_bytes(sk.kinds[g].pool, sk.groups[g], P, sk.ep) for g in range(P)])
+    return tables.memory_total(states, act, trans + casts, tables.step_bytes(params, sk.shards, st.zero, sharded),
+                               fixed).tolist()
 
 
 def pipeline_time(sk: Skeleton, st: Setting, figs: Sequence[StageFigures], tables: Tables,

@@ -14,7 +14,9 @@ warm-up depth bounds them), so long programs are summarized from a shorter one.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cached_property, lru_cache
+
+import numpy as np
 
 from autoplan.plan import DeviceGroup, Plan, Stage
 from autoplan.schedule import build_program
@@ -38,7 +40,21 @@ class Inflight:
 
     def peak_bytes(self, g: int, chunk_bytes) -> float:
         """Exact peak activation bytes of rank ``g`` given each chunk's bytes per micro-batch."""
-        return max(sum(n * a for n, a in zip(vec, chunk_bytes)) for vec in self.peaks[g])
+        vecs = self._peak_columns[g]
+        if vecs is None:
+            return max(sum(n * a for n, a in zip(vec, chunk_bytes)) for vec in self.peaks[g])
+        # Interleaved ranks have a dozen or more peak vectors: all dot products at once,
+        # summed chunk after chunk in the order the line above sums them (same bits).
+        acc = vecs[0] * chunk_bytes[0]
+        for c in range(1, len(vecs)):
+            acc = acc + vecs[c] * chunk_bytes[c]
+        return float(acc.max())
+
+    @cached_property
+    def _peak_columns(self) -> tuple:
+        """Per rank: its peak vectors as one array per chunk (None where a rank has only
+        a few, which the plain sum handles faster)."""
+        return tuple(np.array(p, dtype=float).T.copy() if len(p) > 3 else None for p in self.peaks)
 
 
 def _pareto(vectors: set[tuple[int, ...]]) -> tuple[tuple[int, ...], ...]:

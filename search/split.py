@@ -70,6 +70,8 @@ class Splitter:
         self._memo: dict = {}
         self.runs = 0
         """DP runs (for the search statistics; splits shared from the cache not counted)."""
+        self.unreached = 0
+        """DPs found to have no answer without running them (see _out_of_reach)."""
 
     # ---------------------------------------------------------- matrices
     def _time_mats(self, sk: Skeleton, g: int, st: Setting) -> np.ndarray:
@@ -352,44 +354,75 @@ class Splitter:
             remembered = self._recall(memo_key, period_limit)
             if remembered is not False:
                 return remembered
+        if objective == "time" and not unlimited \
+                and self._out_of_reach(per_group, counts, shares, st, qs, period_limit):
+            self.unreached += 1
+            if memo_key is not None:
+                self._memo[memo_key] = (None, period_limit)
+            return None
         self.runs += 1
-        costs = np.empty((S, L + 1, K))
-        choices = np.empty((S, L + 1, K), dtype=np.int8)
+        # Stages costed alike share one band: costs[which[j]] is stage j's (L + 1, K) band
+        # of costs and choices[which[j]] its recompute modes, so the recurrences below
+        # prepare each band once, however many stages read it.
+        cost_parts, choice_parts = [], []
+        which = [0] * S
+        inputs: list = [None] * S   # (time objective: what a stage's mode is chosen from)
         limited = np.isfinite(period_limit)
         for time_m, base, act, floor, rows in alike.values():
             t_band = band(time_m, INF)                           # (modes, L + 1, K)
             if unlimited:
-                js = rows[None]
-                costs[js] = t_band[0]
-                choices[js] = qs[0]
+                for j in rows[None]:
+                    which[j] = len(cost_parts)
+                cost_parts.append(t_band[:1])
+                choice_parts.append(np.full(t_band[:1].shape, qs[0], dtype=np.int8))
                 continue
             keys = list(rows)
             n = np.array([k[0] for k in keys], dtype=float)[:, None, None]
             cap_j = np.array([k[1] for k in keys])[:, None, None]
             base_b, act_b = band(base, 0.0), band(act, 0.0)
             floor_b = band(floor, 0.0) if floor is not None else None
-            # (Where a test holds for a whole row or the whole band, it is settled once
-            # on the row or the band instead of on every element.)
+            if objective == "time":
+                # The time objective keeps only the least time over the modes that fit;
+                # which mode gives it is worked out for the chosen stages alone (see
+                # mode_of), the one place it is read.
+                best = np.full((len(keys),) + t_band.shape[1:], INF)
+                need = np.empty(best.shape)
+                fits = np.empty(best.shape, dtype=bool)
+                for i, q in enumerate(qs):
+                    np.multiply(n, act_b[i][None], out=need)
+                    np.add(base_b[i][None], need, out=need)
+                    if floor_b is not None:
+                        # The optimizer step's temporaries can outgrow the compute phase's.
+                        np.maximum(need, floor_b[i][None], out=need)
+                    t_i = t_band[i]
+                    if limited:
+                        t_i = np.where(t_i <= period_limit, t_i, INF)
+                    np.less_equal(need, cap_j, out=fits)
+                    # (Where it does not fit, the mode leaves the least as it is.)
+                    np.minimum(best, t_i[None], out=best, where=fits)
+                for r, k in enumerate(keys):
+                    for j in rows[k]:
+                        which[j] = sum(len(c) for c in cost_parts) + r
+                        inputs[j] = (t_band, base_b, act_b, floor_b, float(k[0]), k[1])
+                cost_parts.append(best)
+                choice_parts.append(None)
+                continue
             no_room = [r for r, k in enumerate(keys) if not k[1] > 0]
             safe_cap = np.where(cap_j > 0, cap_j, 1.0)
             best = choice = None
             for i, q in enumerate(qs):
                 need = base_b[i][None] + n * act_b[i][None]
                 if floor_b is not None:
-                    # The optimizer step's temporaries can outgrow the compute phase's.
                     need = np.maximum(need, floor_b[i][None])
                 t_i = t_band[i]
                 if limited:
                     t_i = np.where(t_i <= period_limit, t_i, INF)
-                if objective == "memory":
-                    # A device with no budget left (cap 0) takes nothing: any need is
-                    # infinite there, and 0/0 must not become NaN.
-                    frac = need / safe_cap
-                    for r in no_room:
-                        frac[r] = np.where(need[r] > 0, INF, 0.0)
-                    val = np.where(t_i[None] < INF, frac, INF) if limited else frac
-                else:
-                    val = np.where(need <= cap_j, t_i[None], INF)
+                # A device with no budget left (cap 0) takes nothing: any need is
+                # infinite there, and 0/0 must not become NaN.
+                frac = need / safe_cap
+                for r in no_room:
+                    frac[r] = np.where(need[r] > 0, INF, 0.0)
+                val = np.where(t_i[None] < INF, frac, INF) if limited else frac
                 # The first of equal modes wins: the fastest (modes are listed fastest
                 # first), so a later mode must be strictly better.
                 if best is None:
@@ -399,9 +432,34 @@ class Splitter:
                     best = np.where(better, val, best)
                     choice = np.where(better, np.int8(q), choice)
             for r, k in enumerate(keys):
-                costs[rows[k]] = best[r]
-                choices[rows[k]] = choice[r]
-        period = _minmax(costs, start, valid, L)
+                for j in rows[k]:
+                    which[j] = sum(len(c) for c in cost_parts) + r
+            cost_parts.append(best)
+            choice_parts.append(choice)
+        costs = cost_parts[0] if len(cost_parts) == 1 else np.concatenate(cost_parts)
+        choices = None if objective == "time" and not unlimited else \
+            choice_parts[0] if len(choice_parts) == 1 else np.concatenate(choice_parts)
+
+        def mode_of(j: int, e: int, d: int) -> int:
+            """Recompute mode of stage j ending at e with d units: the first allowed mode
+            with the least time among those that fit, as the arrays above would say, by
+            the same arithmetic on the one element."""
+            if choices is not None:
+                return int(choices[which[j]][e, d - 1])
+            t_band, base_b, act_b, floor_b, count, cap = inputs[j]
+            pick, least = qs[0], INF
+            for i, q in enumerate(qs):
+                need = base_b[i][e, d - 1] + count * act_b[i][e, d - 1]
+                if floor_b is not None:
+                    need = max(need, floor_b[i][e, d - 1])
+                t = t_band[i][e, d - 1]
+                if limited and not t <= period_limit:
+                    t = INF
+                val = t if need <= cap else INF
+                if val < least:
+                    pick, least = q, val
+            return pick
+        period = _minmax(costs, which, start, valid, L)
         if period is None:
             if memo_key is not None:
                 self._memo[memo_key] = (None, period_limit)
@@ -417,20 +475,54 @@ class Splitter:
             cands += list(vals[:3])
         best_obj, best_split = INF, None
         for tau in cands:
-            found = _minsum(costs, start, valid, L, tau)
+            found = _minsum(costs, which, start, valid, L, tau)
             if found is None:
                 continue
             total, picks = found
             bounds = [(e - d, e) for e, d in picks]
-            real_period = max(float(costs[j][e, d - 1]) for j, (e, d) in enumerate(picks))
+            real_period = max(float(costs[which[j]][e, d - 1]) for j, (e, d) in enumerate(picks))
             obj = (m - 1) * real_period + total if objective == "time" else real_period
             if obj < best_obj * (1 - 1e-12):
                 best_obj = obj
-                rec = tuple(RECOMPUTES[int(choices[j][e, d - 1])] for j, (e, d) in enumerate(picks))
+                rec = tuple(RECOMPUTES[mode_of(j, e, d)] for j, (e, d) in enumerate(picks))
                 best_split = Split(bounds=tuple(bounds), recompute=rec, period=real_period, total=total)
         if memo_key is not None:
             self._memo[memo_key] = (best_split, period_limit)
         return best_split
+
+    def _out_of_reach(self, per_group: list, counts, shares, st: Setting, qs: list[int],
+                      period_limit: float) -> bool:
+        """Whether no split can have every stage fit (and cost at most ``period_limit``),
+        proved without the DP. A stage's memory and time only grow with its run (prefix
+        sums and range maxima of non-negative terms, correctly rounded), so a run inside
+        one that fits fits too. Let h be the furthest any split's first j - 1 stages can
+        end; a fitting stage j = [a, e) with a <= h either ends by h or contains [h, e),
+        which then fits: so stage j ends by h or by the longest fitting run from h. Where
+        this bound stays short of the last unit after every stage, nothing fits. The same
+        arithmetic as the DP's, so it never rules out a split the DP finds."""
+        P, v, L = len(per_group), st.virtual_stages, self.L
+        limited = np.isfinite(period_limit)
+        every = qs == list(range(len(RECOMPUTES)))
+        # (Basic slices of the matrices, not a gather per stage: with every mode allowed
+        # the matrices are read as they are.)
+        mats = [tuple(m if m is None or every else m[qs] for m in entry[:4]) for entry in per_group]
+        s = 0
+        for j in range(P * v):
+            g, chunk = j % P, j // P
+            time_m, base, act, floor = mats[g]
+            room = per_group[g][4]
+            budget = room if v == 1 else room * shares[g][chunk]
+            need = base[:, s, s + 1:] + float(counts[g][chunk]) * act[:, s, s + 1:]
+            if floor is not None:
+                need = np.maximum(need, floor[:, s, s + 1:])
+            ok = need <= budget
+            if limited:
+                ok &= time_m[:, s, s + 1:] <= period_limit
+            # (Each mode's ok holds on a prefix of the ends, so their union does too.)
+            s += int(np.count_nonzero(np.logical_or.reduce(ok, axis=0)))
+            if s >= L:
+                return False
+        return True
 
     def _recall(self, key, period_limit: float):
         """A DP's result remembered under ``key`` that holds under ``period_limit``, or
@@ -566,20 +658,24 @@ def _sharding(group, st: Setting) -> int:
     return group.dp * group.cp if st.zero >= 1 else 1
 
 
-def _minmax(costs: np.ndarray, start: np.ndarray, valid: np.ndarray, L: int) -> float | None:
-    """Smallest achievable max_j cost_j over contiguous splits of L units into len(costs)
-    non-empty stages (costs[j, e, d-1]: stage j ending at e with d units)."""
+def _minmax(costs: np.ndarray, which: list[int], start: np.ndarray, valid: np.ndarray, L: int) -> float | None:
+    """Smallest achievable max_j cost_j over contiguous splits of L units into len(which)
+    non-empty stages (costs[which[j], e, d-1]: stage j ending at e with d units)."""
     # best[L + 1] stays INF: stages that would start before unit 0 read it (one gather
     # per stage instead of a gather and a select).
     gather = np.where(valid, start, L + 1)
     best = np.full(L + 2, INF)
     best[0] = 0.0
-    for c in costs:
-        best[:L + 1] = np.maximum(best[gather], c).min(axis=1)
+    tmp = np.empty(gather.shape)
+    # (The ufuncs are called directly, into reused buffers: the arrays are small and
+    # there is one step per stage, so per-call overhead is most of the cost.)
+    for i in which:
+        np.maximum(best.take(gather), costs[i], out=tmp)
+        np.minimum.reduce(tmp, axis=1, out=best[:L + 1])
     return float(best[L]) if np.isfinite(best[L]) else None
 
 
-def _minsum(costs: np.ndarray, start: np.ndarray, valid: np.ndarray, L: int,
+def _minsum(costs: np.ndarray, which: list[int], start: np.ndarray, valid: np.ndarray, L: int,
             cap: float) -> tuple[float, list[tuple[int, int]]] | None:
     """Smallest sum of stage costs with every stage at most ``cap``; returns (sum,
     [(end, length)] per stage). Ties go to the shortest stage (np.argmin takes the first),
@@ -587,21 +683,21 @@ def _minsum(costs: np.ndarray, start: np.ndarray, valid: np.ndarray, L: int,
     limit = cap * (1 + 1e-9)
     # No stage longer than the longest run within the cap can be used: drop those columns.
     within = costs <= limit
-    usable = np.nonzero(within.any(axis=(0, 1)))[0]
+    usable = np.nonzero(np.logical_or.reduce(within, axis=(0, 1)))[0]
     if len(usable) == 0:
         return None
     K = int(usable[-1]) + 1
-    costs = np.where(within[:, :, :K], costs[:, :, :K], INF)
+    masked = np.where(within[:, :, :K], costs[:, :, :K], INF)
     gather = np.where(valid[:, :K], start[:, :K], L + 1)   # (see _minmax)
     best = np.full(L + 2, INF)
     best[0] = 0.0
     back = []
-    rows = np.arange(L + 1)
-    for c in costs:
-        tot = best[gather] + c
-        arg = tot.argmin(axis=1)
-        best[:L + 1] = tot[rows, arg]
-        back.append(arg)
+    for i in which:
+        tot = best.take(gather)
+        tot += masked[i]
+        back.append(tot.argmin(axis=1))
+        # (The least of a row is the element its argmin points at: the same value.)
+        np.minimum.reduce(tot, axis=1, out=best[:L + 1])
     if not np.isfinite(best[L]):
         return None
     picks = []

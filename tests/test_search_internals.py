@@ -273,6 +273,48 @@ def test_warm_splitter_answers_as_a_fresh_one(name):
         assert recomputed > 0   # the case exercises the memory-constrained DP
 
 
+def _toy(memory_GiB: float) -> Cluster:
+    return Cluster.from_dict({"node_groups": [{"name": "n", "nodes": 1, "gpus_per_node": 4, "device": {
+        "name": "toy", "memory_GiB": memory_GiB, "peak_TFLOPS": {"bf16": 100}, "memory_bandwidth_GBps": 1000}}]})
+
+
+# (model, cluster, skeleton, settings) the DP must answer the same with and without the
+# no-split test. In "head-binds" the head's unit fits only the last stages: a stage that
+# cannot take a unit where its predecessors could reach may still end before it.
+REACH_CASES = {
+    "homogeneous-pp4": (GPT,) + WARM_SKELETONS["homogeneous-pp4"] + (WARM_SETTINGS,),
+    "tight-toy": (GPT,) + WARM_SKELETONS["tight-toy"] + (WARM_SETTINGS,),
+    "head-binds": (models.transformer(layers=14, hidden=1024, heads=16, seq_len=1024, vocab=128000), _toy(5.75),
+                   Skeleton(groups=tuple(DeviceGroup(ranks=(g,), tp=1) for g in range(4)), kinds=(Kind(0, 1),) * 4),
+                   [Setting(1, 16, sched, v, zero, False) for sched, v in
+                    (("1f1b", 1), ("zero-bubble", 1), ("interleaved-1f1b", 2)) for zero in (0, 3)]),
+}
+
+
+@pytest.mark.parametrize("name", REACH_CASES, ids=list(REACH_CASES))
+def test_no_split_test_never_rules_out_a_split_the_dp_finds(name, monkeypatch):
+    """Splitter._out_of_reach spares DPs it proves fruitless: every answer must be the one
+    the DP gives when it always runs."""
+    model, cluster, sk, settings = REACH_CASES[name]
+    tables = Tables(model, cluster, options=EstimateOptions(memory_margin=0.0))
+    modes = ("none", "selective", "full")
+    checked, always = Splitter(tables), Splitter(tables)
+    monkeypatch.setattr(always, "_out_of_reach", lambda *args: False)
+    for st in settings:
+        free = checked.free_period(sk, st, modes)
+        for limit in (float("inf"), free * 1.5, free * 1.01):
+            for joint in ((False, True) if st.virtual_stages > 1 else (False,)):
+                got = checked.split(sk, st, modes, period_limit=limit, joint=joint)
+                want = always.split(sk, st, modes, period_limit=limit, joint=joint)
+                assert (got is None) == (want is None), (st, limit)
+                if got is not None:
+                    assert (got.bounds, got.recompute, got.period, got.total) == \
+                        (want.bounds, want.recompute, want.period, want.total), (st, limit)
+    assert always.unreached == 0
+    if name != "homogeneous-pp4":
+        assert checked.unreached > 0   # the test fired, and spared DPs that found nothing
+
+
 # -------------------------------------------------------------------- bounds
 
 @pytest.mark.parametrize("schedule,b,zero,memory", [
