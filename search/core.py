@@ -91,7 +91,7 @@ PLACEMENT_MICRO_BATCHES = 1
 smallest needs the least memory, so its pipelines are the ones most likely to fit, and
 the DP tries every size on them; placing for the second size too doubled the solves and
 the pipelines to bound, and left the best plan of the benchmark's three-type clusters
-(64 to 4,096 GPUs) the same."""
+(64 to 16,384 GPUs) the same."""
 REFINE_ACTIONS = 256
 """Refine splits by local search only for programs this short (a few dozen simulations
 of at most this many actions each): there the fill and drain, not the period the DP
@@ -390,17 +390,22 @@ class _Search:
                               alternatives=self.c.placement_alternatives,
                               det_time_limit=self.c.placement_time_limit, seed=self.c.seed, stats=pstats,
                               orders=self.c.placement_orders)
-                if props is not None:
-                    proposed.append(props)
+                if props:
+                    proposed += props
                     seen = True
         # CP-SAT's next-best sequences only where its optimum is within
         # placement_alternatives_within of the best data-parallel degree's (by its own
         # closed form, which ranks the degrees' best plans closely on the benchmark's
         # clusters): elsewhere alternatives cost solves and DPs for plans that lose.
-        best = min((p.estimate_s for p in proposed), default=INF)
+        # Degrees are compared within one ZeRO sizing: the ZeRO-3 objective carries the
+        # parameter gathers, yet its shallower pipelines often win under ZeRO-1 or 2.
+        best: dict[int, float] = {}
+        for p in proposed:
+            best[p.zero] = min(best.get(p.zero, INF), p.estimate_s)
         out: dict[tuple, Skeleton] = {}
         for props in proposed:
-            if props.estimate_s <= best * (1 + self.c.placement_alternatives_within) and not self.out_of_time():
+            if (props.estimate_s <= best[props.zero] * (1 + self.c.placement_alternatives_within)
+                    and not self.out_of_time()):
                 props.more()
             for sk in props.found:
                 if self.c.pp is not None and sk.pp not in self.c.pp:

@@ -100,19 +100,21 @@ def _ends(model) -> tuple[int, int]:
 def place(tables: Tables, *, dp: int, micro_batch: int, num_micro_batches: int, sequence_parallel: bool,
           kinds: list[Kind], zeros: list[int], modes: list[str], max_stages: int, use_all_gpus: bool,
           alternatives: int, det_time_limit: float, seed: int, stats: PlacementStats,
-          orders: int = 2) -> "Proposals | None":
-    """CP-SAT's proposals for one (dp, micro-batch), with its optimum solved (None where
-    nothing is proposed); ``Proposals.more`` adds up to ``alternatives - 1`` next-best
-    distinct sequences (each excluded by a no-good cut).
+          orders: int = 2) -> "list[Proposals]":
+    """CP-SAT's proposals for one (dp, micro-batch), each with its optimum solved (empty
+    where nothing is proposed); ``Proposals.more`` adds up to ``alternatives - 1``
+    next-best distinct sequences (each excluded by a no-good cut).
 
-    Sized with the leanest ZeRO stage short of 3 (ZeRO 0-2 cost the same time here);
-    only where that proposes nothing (the model does not fit the pools without sharding
-    its parameters) sized again with ZeRO-3, which fits more per device but gathers
-    parameters every micro-batch. Where ZeRO 0-2 fit, the DP still tries ZeRO-3 on every
-    sequence proposed; solving for it as well doubled the solves, and without it the best
-    plan of the benchmark's three-type clusters (64 to 4,096 GPUs) stayed the same."""
+    Sized with the leanest ZeRO stage short of 3 (ZeRO 0-2 cost the same time here) and,
+    where data parallelism allows it, with ZeRO-3, which fits more per device but gathers
+    parameters every micro-batch. Both are needed: CP-SAT's memory model is coarser than
+    the DP's, so the shallower pipelines the ZeRO-3 sizing proposes often fit under ZeRO-1
+    or 2 as well (on the benchmark's 16,384-GPU three-type cluster the best plan, ZeRO-2 on
+    6 stages, is proposed only by the ZeRO-3 sizing; without it the best found was 39%
+    slower)."""
     lean = [z for z in zeros if z < 3 or dp == 1]
     tries = ([max(lean)] if lean else []) + ([3] if 3 in zeros and dp > 1 else [])
+    out = []
     for z in tries:
         props = Proposals(tables, dp=dp, micro_batch=micro_batch, num_micro_batches=num_micro_batches,
                           sequence_parallel=sequence_parallel, kinds=kinds, zero=z, modes=modes,
@@ -123,8 +125,8 @@ def place(tables: Tables, *, dp: int, micro_batch: int, num_micro_batches: int, 
         while not props.found and props.solve():
             pass
         if props.found:
-            return props
-    return None
+            out.append(props)
+    return out
 
 
 class Proposals:
@@ -137,6 +139,8 @@ class Proposals:
         self.estimate_s: float | None = None
         """The optimum's objective in seconds (the model's coarse 1F1B closed form: a way
         to compare data-parallel degrees, not a bound); None before it is solved."""
+        self.zero: int = kw["zero"]
+        """The ZeRO stage the model was sized for."""
         self._left = max(1, kw.pop("alternatives"))
         self._solve = _model(tables, **kw, found=self.found)
 

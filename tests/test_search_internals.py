@@ -407,15 +407,21 @@ def test_placement_is_deterministic_and_respects_the_cluster():
     runs = []
     for _ in range(2):
         stats = PlacementStats()
-        props = place(tables, dp=2, micro_batch=1, num_micro_batches=32, sequence_parallel=True,
-                      kinds=pool_kinds(tables, 2, [1, 2, 4, 8]), zeros=[0, 1, 2, 3], modes=["none", "full"],
-                      max_stages=32, use_all_gpus=False, alternatives=3, det_time_limit=1.0, seed=0, stats=stats)
-        first = list(props.found)
-        found = props.more()
+        proposals = place(tables, dp=2, micro_batch=1, num_micro_batches=32, sequence_parallel=True,
+                          kinds=pool_kinds(tables, 2, [1, 2, 4, 8]), zeros=[0, 1, 2, 3], modes=["none", "full"],
+                          max_stages=32, use_all_gpus=False, alternatives=3, det_time_limit=1.0, seed=0,
+                          stats=stats)
+        # One model sized for ZeRO-2 (the leanest short of 3) and one for ZeRO-3.
+        assert len(proposals) == 2
+        found = []
+        for props in proposals:
+            first = list(props.found)
+            more = props.more()
+            # The optimum's sequences come first; the alternatives add to them.
+            assert first and more[:len(first)] == first and props.estimate_s > 0
+            found += more
         runs.append([(sk.groups, sk.kinds) for sk in found])
-        # The optimum's sequences come first; the alternatives add to them.
-        assert first and found[:len(first)] == first and props.estimate_s > 0
-        assert 1 <= stats.solves <= 3 and stats.skeletons == len(found) > 0
+        assert 2 <= stats.solves <= 6 and stats.skeletons == len(found) > 0
     assert runs[0] == runs[1]
     for groups, kinds in runs[0]:
         used = {}
@@ -433,7 +439,7 @@ def test_placement_can_be_forced_to_use_every_gpu():
     tables = Tables(model, cluster)
     found = place(tables, dp=2, micro_batch=1, num_micro_batches=8, sequence_parallel=False,
                   kinds=pool_kinds(tables, 2, [1, 2]), zeros=[0], modes=["none", "full"], max_stages=8,
-                  use_all_gpus=True, alternatives=2, det_time_limit=1.0, seed=0, stats=PlacementStats()).more()
+                  use_all_gpus=True, alternatives=2, det_time_limit=1.0, seed=0, stats=PlacementStats())[0].more()
     assert found and all(sk.num_gpus == cluster.num_gpus for sk in found)
 
 
