@@ -192,6 +192,19 @@ def load_baseline_rows(path: Path) -> dict[tuple, dict]:
     return rows
 
 
+def _previous_iterations(raw: Path) -> dict[tuple, float]:
+    """Best predicted iteration seconds per (series, GPUs) in an earlier run's raw rows."""
+    out = {}
+    if raw.exists():
+        for line in raw.read_text().splitlines():
+            if line.strip():
+                r = json.loads(line)
+                it = (r.get("now") or {}).get("iteration_s")
+                if it is not None:
+                    out[(r["series"], r["gpus"])] = it
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--sizes", default=",".join(map(str, SIZES)), help="comma-separated GPU counts")
@@ -219,6 +232,11 @@ def main(argv: list[str] | None = None) -> int:
         base = None
         if not args.no_baseline:
             base = checkout(args.baseline)
+        # The previous run's best plans: a search change that loses a plan shows as a row
+        # whose best predicted iteration is slower than before (a cost-model change can
+        # also move them, so this warns rather than fails).
+        previous = _previous_iterations(raw)
+        slower = []
         if not args.baseline_only:
             raw.write_text("")
         try:
@@ -245,6 +263,9 @@ def main(argv: list[str] | None = None) -> int:
                     if not args.baseline_only:
                         with raw.open("a") as f:
                             f.write(json.dumps(row) + "\n")
+                    was = previous.get((series, n))
+                    if was is not None and new.get("iteration_s", 0.0) > was * (1 + 1e-9):
+                        slower.append(f"{series} {n} GPUs: {new['iteration_s']:.4g} s, was {was:.4g} s")
                     print(f"{series:12s} {n:6d} GPUs  CPU {new.get('cpu_s', float('nan')):8.2f} s (baseline "
                           f"{old.get('cpu_s', float('nan')):8.2f} s)  wall {new.get('wall_s', float('nan')):8.2f} s "
                           f"(baseline {old.get('wall_s', float('nan')):8.2f} s)  "
@@ -255,6 +276,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.baseline_only:
             print(f"wrote {kept}")
             return 0
+        for line in slower:
+            print(f"WARNING: best plan slower than in the previous run: {line}")
     rows = sorted((json.loads(line) for line in raw.read_text().splitlines() if line.strip()),
                   key=lambda r: (r["series"], r["gpus"]))
     write_markdown(rows, out / "search_time.md", args.model, args.global_batch, args.baseline)
