@@ -181,28 +181,23 @@ def _baseline_key(series: str, gpus: int, model: str, global_batch: int, revisio
     return (series, gpus, model, global_batch, revision)
 
 
+def _read_jsonl(path: Path) -> list[dict]:
+    """The records of a JSON-lines file (none where it does not exist)."""
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
 def load_baseline_rows(path: Path) -> dict[tuple, dict]:
     """The baseline's recorded rows by (series, GPUs, model, global batch, revision)."""
-    rows = {}
-    if path.exists():
-        for line in path.read_text().splitlines():
-            if line.strip():
-                r = json.loads(line)
-                rows[_baseline_key(r["series"], r["gpus"], r["model"], r["global_batch"], r["revision"])] = r["row"]
-    return rows
+    return {_baseline_key(r["series"], r["gpus"], r["model"], r["global_batch"], r["revision"]): r["row"]
+            for r in _read_jsonl(path)}
 
 
 def _previous_iterations(raw: Path) -> dict[tuple, float]:
     """Best predicted iteration seconds per (series, GPUs) in an earlier run's raw rows."""
-    out = {}
-    if raw.exists():
-        for line in raw.read_text().splitlines():
-            if line.strip():
-                r = json.loads(line)
-                it = (r.get("now") or {}).get("iteration_s")
-                if it is not None:
-                    out[(r["series"], r["gpus"])] = it
-    return out
+    return {(r["series"], r["gpus"]): r["now"]["iteration_s"] for r in _read_jsonl(raw)
+            if (r.get("now") or {}).get("iteration_s") is not None}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -278,8 +273,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         for line in slower:
             print(f"WARNING: best plan slower than in the previous run: {line}")
-    rows = sorted((json.loads(line) for line in raw.read_text().splitlines() if line.strip()),
-                  key=lambda r: (r["series"], r["gpus"]))
+    rows = sorted(_read_jsonl(raw), key=lambda r: (r["series"], r["gpus"]))
     write_markdown(rows, out / "search_time.md", args.model, args.global_batch, args.baseline)
     write_plot(rows, out / "search_time.png", args.model, args.baseline)
     print(f"wrote {out / 'search_time.md'} and {out / 'search_time.png'}")
