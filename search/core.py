@@ -357,7 +357,6 @@ class _Search:
 
     def _placed_skeletons(self, pstats: PlacementStats) -> list[Skeleton]:
         proposed = []
-        seen = False
         # The sequence of device groups depends on the micro-batch only through memory:
         # placing for the smallest sizes (PLACEMENT_MICRO_BATCHES) covers the ones that
         # fit best; the DP then tries every micro-batch size on every sequence.
@@ -373,7 +372,7 @@ class _Search:
                 pstats.skipped += 1
                 self.progress.step()
                 continue
-            if seen and self.out_of_time():
+            if proposed and self.out_of_time():
                 # Pipelines never placed are bounded by the whole cluster's best rate.
                 self.stats.stopped_at_time_limit = True
                 self.unplaced_bound = self.cluster_bound()
@@ -390,9 +389,7 @@ class _Search:
                               alternatives=self.c.placement_alternatives,
                               det_time_limit=self.c.placement_time_limit, seed=self.c.seed, stats=pstats,
                               orders=self.c.placement_orders)
-                if props:
-                    proposed += props
-                    seen = True
+                proposed += props
         # CP-SAT's next-best sequences only where its optimum is within
         # placement_alternatives_within of the best data-parallel degree's (by its own
         # closed form, which ranks the degrees' best plans closely on the benchmark's
@@ -865,12 +862,10 @@ class _Search:
             # Where the memory-free split does not fit the DP's budgets, the leanest split
             # comes first (one DP, needed anyway when nothing fits): if even it exceeds
             # them, no split fits them and the time DP (one or two DPs) would find none.
-            if st.virtual_stages > 1:
-                free = self.splitter._unconstrained(sk, st, modes, limit)
-                if free is not None and not self.splitter._fits(sk, st, modes, free, joint):
-                    least = lean(joint)
-                    if least is None or least.period > 1 + 1e-9:
-                        return None
+            if st.virtual_stages > 1 and self.splitter.free_split_overflows(sk, st, modes, joint, limit):
+                least = lean(joint)
+                if least is None or least.period > 1 + 1e-9:
+                    return None
             return self.splitter.split(sk, st, modes, period_limit=limit, joint=joint)
 
         sim = simulated(st, sk.pp)
