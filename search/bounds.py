@@ -77,6 +77,7 @@ class Bounds:
         self._caps: dict = {}
         self._extra: dict = {}
         self._rank_lines: dict = {}
+        self._share: dict = {}
         self._count_stats: dict = {}
         self._lines: dict = {}
         self._chains: dict = {}
@@ -438,6 +439,63 @@ class Bounds:
             tau = nxt
         return tau * (1.0 - 1e-12)   # (a lower bound: rounding must not lift it above)
 
+    def share_period(self, sk: Skeleton, st: Setting, counts, budgets) -> float:
+        """A lower bound on the busiest rank's work per micro-batch of any interleaved split
+        of a one-kind pipeline whose every chunk fits the budget the layer-split DP gives it
+        (``counts[g][c]`` micro-batches of chunk c of rank g in flight within ``budgets[g][c]``
+        bytes, :meth:`Splitter.chunk_budgets`), one recompute mode per chunk as the DP
+        chooses; 0.0 for mixed pipelines, INF when no such split exists. Much tighter than
+        :meth:`memory_period`, which must also hold for splits that fit only by the exact
+        joint peak and relaxes modes and units to fractions.
+
+        The same virtual units as memory_period, counted whole: x of them in chunk c take
+        t_c(x) = x * (the least cost of a mode in which x fit the chunk's budget). Every
+        stage holds a unit and only the first and last stages can hold no block, so every
+        other chunk holds at least one. T_g(X), the least time of X units on rank g, is the
+        min-plus convolution of its chunks' t_c; K_g(tau), the most units rank g can take
+        within period tau, follows. The least tau at which the ranks together take every
+        unit bounds the busiest rank's work of every such split."""
+        if len(set(sk.kinds)) > 1:
+            return 0.0
+        P, S = sk.pp, sk.pp * st.virtual_stages
+        ranks: dict = {}
+        for g in range(P):
+            ends = tuple(int(c * P + g == 0) + 2 * int(c * P + g == S - 1) for c in range(st.virtual_stages))
+            key = (tuple(counts[g]), tuple(budgets[g]), ends)
+            ranks[key] = ranks.get(key, 0) + 1
+        key = (sk.kinds[0], st.micro_batch, st.sequence_parallel, sk.shards, st.zero, tuple(ranks.items()))
+        hit = self._share.get(key)
+        if hit is None:
+            unit = self._virtual_unit(sk.kinds[0], st.micro_batch, st.sequence_parallel, sk.shards, st.zero)
+            ends = self._end_units(sk.kinds[0], st.micro_batch, st.sequence_parallel, sk.shards, st.zero)
+            hit = self._share[key] = _share_period(*unit, ranks, ends)
+        return hit
+
+    def _end_units(self, kind: Kind, b: int, sp: bool, shards: int, zero: int) -> tuple:
+        """(first, last): (cost[q], activation bytes[q], states) of the model's first and last
+        units where they are not of its most common kind (the embedding and the head, which
+        the first and the last stage hold), else None (see share_period)."""
+        key = ("ends", kind, b, sp and kind.tp > 1, shards, zero)
+        hit = self._unit.get(key)
+        if hit is None:
+            t = self.tables.table(kind, b, sp)
+            kinds = [l.kind for l in self.tables.model.layers]
+            common = max(set(kinds), key=lambda k: (kinds.count(k), k))
+            dyn = self.tables.dynamic_factor
+            zp = np.diff(t.cum_zero_params)
+            states = self.tables.state_bytes(t.params, 0.0, shards, zero, zp) \
+                + dyn * self.tables.cast_bytes(t.cast_params, shards, zero)
+            out = []
+            for u in (0, len(kinds) - 1):
+                if kinds[u] == common:
+                    out.append(None)
+                    continue
+                cost = np.array([float(t.forward[u] + t.backward_input[q][u] + t.backward_weight[u]) for q in self.qs])
+                act = np.array([float(t.activation[q][u]) for q in self.qs]) * dyn
+                out.append((cost, act, float(states[u])))
+            hit = self._unit[key] = tuple(out)
+        return hit
+
     def _virtual_unit(self, kind: Kind, b: int, sp: bool, shards: int, zero: int):
         """(cost[q], memory[q] per micro-batch of activations, states, count) of the virtual
         unit standing for the model's most common unit kind (see memory_period): costs and
@@ -692,6 +750,73 @@ def _single_mode_period(cost: np.ndarray, most: np.ndarray, mult: np.ndarray, co
     hi_t, hi_v = float(kinks[i]), float(reach[i])
     tau = hi_t if hi_v <= lo_v else lo_t + (count - lo_v) * (hi_t - lo_t) / (hi_v - lo_v)
     return max(lo_t, tau * (1.0 - 1e-12))   # (a lower bound: rounding must not lift it above)
+
+
+def _share_period(cost: np.ndarray, act: np.ndarray, states: float, count: int, ranks: dict,
+                  ends: tuple = (None, None)) -> float:
+    """Bounds.share_period for ``count`` virtual units of per-mode ``cost`` and activation
+    bytes ``act`` and ``states`` bytes each, over ranks given as {(in-flight counts per chunk,
+    budgets per chunk, per chunk 1 if it is the first stage, 2 if the last): how many ranks
+    alike}; ``ends``: the (cost, act, states) of the first and last units where they are not
+    virtual units (None where they are). All ranks at once: a few numpy operations per chunk
+    position."""
+    if count == 0:
+        return 0.0
+    keys = list(ranks)
+    mult = np.array([ranks[k] for k in keys])
+    n = np.array([k[0] for k in keys], dtype=float)                 # (ranks, chunks)
+    budget = np.array([k[1] for k in keys], dtype=float)
+    where = np.array([k[2] for k in keys])
+    # The first and last stages hold the end units besides any virtual ones (in the
+    # stage's one mode); a stage holding one may hold no virtual unit, every other must.
+    extra_cost = np.zeros(n.shape + (len(cost),))
+    extra_bytes = np.zeros(n.shape + (len(cost),))
+    exempt = np.zeros(n.shape, dtype=bool)
+    for bit, end in ((1, ends[0]), (2, ends[1])):
+        if end is None:
+            continue
+        at = (where & bit) > 0
+        e_cost, e_act, e_states = end
+        extra_cost += at[..., None] * e_cost
+        extra_bytes += at[..., None] * (e_states + n[..., None] * e_act)
+        exempt |= at
+    # Per chunk and mode, the most whole virtual units within the budget (-1: not even the
+    # end unit fits in that mode).
+    room = budget[..., None] - extra_bytes
+    most = np.where(room >= 0, np.floor(np.maximum(room, 0.0) / (states + n[..., None] * act) * (1 + 1e-12)), -1.0)
+    forced = (~exempt).sum(axis=1)
+    # No rank usefully holds more than what the others' forced units leave.
+    top = min(count, int(count - (forced * mult).sum() + forced.max()))
+    if top < 0:
+        return INF
+    xs = np.arange(top + 1)
+    # t[r, c, x]: x units in chunk c of rank r, in the cheapest mode they fit in (fitting
+    # is monotone in x, so t is finite on an interval, and does not decrease on it).
+    t = np.where(xs[None, None, :, None] <= most[:, :, None, :],
+                 xs[:, None] * cost + extra_cost[:, :, None, :], INF).min(axis=3)
+    t[:, :, 0] = np.where(exempt, t[:, :, 0], INF)
+    # T[r, X]: least time of X units on rank r, the min-plus convolution over its chunks.
+    rest = xs[None, :] - xs[:, None]                                   # [x, X]: X - x
+    shift = np.clip(rest, 0, None)
+    least = t[:, 0, :]
+    for c in range(1, t.shape[1]):
+        prev = np.where(rest >= 0, least[:, shift], INF)               # (ranks, x, X)
+        least = (t[:, c, :, None] + prev).min(axis=1)
+    finite = np.isfinite(least)
+    if not finite.any(axis=1).all():
+        return INF                                 # some rank cannot hold its chunks' units
+    # Past every rank's forced units, rank r takes K_r(tau) = the most X with T[r, X] <= tau;
+    # T is non-decreasing on the interval where it is finite, so that is its start plus the
+    # count of entries within tau, less one.
+    lo = finite.argmax(axis=1)
+    lowest = float(least[np.arange(len(keys)), lo].max())
+    taus = np.unique(least[finite & (least >= lowest)])
+    within = (least[:, :, None] <= taus[None, None, :]).sum(axis=1)  # (ranks, taus)
+    reach = ((lo[:, None] + within - 1) * mult[:, None]).sum(axis=0)
+    ok = np.nonzero(reach >= count)[0]
+    if len(ok) == 0:
+        return INF                                 # not even every chunk at its most
+    return float(taus[int(ok[0])]) * (1.0 - 1e-12)   # (a lower bound: rounding must not lift it above)
 
 
 def _p2p_eval(classes: tuple[tuple[float, float, int], ...], nbytes: float) -> float:

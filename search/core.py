@@ -673,6 +673,7 @@ class _Search:
         heapq.heapify(shortlist)
         examined = 0
         time_pruned = 0   # (ZeRO stages of a candidate pruned by their own time bound)
+        unrefined: list[tuple] = []   # (shortlist items split before the shortlist was full)
         self.progress.phase("split", stats.candidates)
 
         def threshold() -> float:
@@ -744,6 +745,7 @@ class _Search:
                 self.progress.step()
                 st = st0 if z == st0.zero else Setting(st0.micro_batch, st0.num_micro_batches, st0.schedule,
                                                        st0.virtual_stages, z, st0.sequence_parallel)
+                dp_beaten = False
                 if len(shortlist) >= keep:
                     # Just before the split, the bound of this very ZeRO stage with the
                     # busiest rank's memory-aware period (Bounds.memory_period): a candidate
@@ -752,6 +754,13 @@ class _Search:
                     t = time.perf_counter()
                     floor = max(self.splitter.free_period(sk, st, self.modes), self.bounds.memory_period(sk, st))
                     beaten = self.bounds.time_bound(si, sk, st, period_floor=floor) >= threshold()
+                    if not beaten and self._dp_splits_bounded(sk, st):
+                        # The DPs keep interleaved chunks within shares of their group's
+                        # memory: a floor for their splits alone, tighter than the one above.
+                        share = min(self.bounds.share_period(sk, st, *self.splitter.chunk_budgets(
+                            sk, st, self.modes, joint)) for joint in (True, False))
+                        dp_beaten = self.bounds.time_bound(si, sk, st, period_floor=max(floor, share)) >= threshold()
+                        stats.skipped_chunk_dps += dp_beaten
                     bounds_s += time.perf_counter() - t
                     if beaten:
                         time_pruned += 1
@@ -766,13 +775,17 @@ class _Search:
                     m = st.num_micro_batches
                     denom = m if st.schedule == "zero-bubble" else m - 1
                     limit = threshold() / denom if denom > 0 else INF
-                best = self._split(sk, st, limit, threshold())
+                threshold_then = threshold()
+                best = self._split(sk, st, limit, threshold_then, dp_beaten)
                 if best is None:
                     stats.pruned_no_split += 1
                     continue
                 split, analysis = best
                 cand = Candidate(sk, st, split.bounds, split.recompute, analysis)
                 item = (-analysis.time_s, -(cnt * 4 + zi), cand)
+                if threshold_then == INF and not self.restricted and simulated(st, sk.pp) \
+                        and program_actions(st, sk.pp) <= REFINE_ACTIONS:
+                    unrefined.append(item)
                 if len(shortlist) < keep:
                     heapq.heappush(shortlist, item)
                 elif item > shortlist[0]:
@@ -782,6 +795,7 @@ class _Search:
                 if analysis.time_s < self.best_time:
                     self.best_time = analysis.time_s
                     self.progress.incumbent(analysis.time_s)
+        self._refine_late(unrefined, shortlist, keep)
         # What was left unexplored is bounded below by the heap's smallest item.
         best_time = -max(shortlist)[0] if shortlist else INF
         left = heap[0][0] if heap else INF
@@ -795,17 +809,51 @@ class _Search:
         stats.phase_s["bounds"] = bounds_s
         return sorted(((-t, -o, cand) for t, o, cand in shortlist), key=lambda x: (x[0], x[1]))
 
+    def _refine_late(self, unrefined: list[tuple], shortlist: list[tuple], keep: int) -> None:
+        """Refine the short programs split before the shortlist was full, now that it says
+        which are worth it (within REFINE_WINDOW of its worst, as every later split was
+        judged): the first candidates split are the ones with the least bounds, rarely the
+        fastest, and refining every one of them (the shortlist's worst was unknown) cost
+        more than the rest of the search. An improved candidate replaces its shortlist entry
+        or, if it had been pushed out, competes for a place again."""
+        for item in unrefined:
+            if self.refine_left <= 0:
+                break
+            worst = -shortlist[0][0] if len(shortlist) >= keep else INF
+            time_s, order, cand = -item[0], item[1], item[2]
+            if not time_s < REFINE_WINDOW * worst:
+                continue
+            split = Split(bounds=cand.bounds, recompute=cand.recompute, period=0.0, total=0.0)
+            better, analysis = self._refine(cand.skeleton, cand.setting, split, cand.analysis, modes=self.modes)
+            if not analysis.time_s < time_s:
+                continue
+            kept = [x for x in shortlist if x[2] is not cand]
+            if len(kept) < len(shortlist):
+                shortlist[:] = kept
+                heapq.heapify(shortlist)
+            new = (-analysis.time_s, order, Candidate(cand.skeleton, cand.setting, better.bounds,
+                                                      better.recompute, analysis))
+            if len(shortlist) < keep:
+                heapq.heappush(shortlist, new)
+            elif new > shortlist[0]:
+                heapq.heapreplace(shortlist, new)
+            if analysis.time_s < self.best_time:
+                self.best_time = analysis.time_s
+                self.progress.incumbent(analysis.time_s)
+
     def out_of_time(self) -> bool:
         """Whether the caller's time limit has run out."""
         return self.deadline is not None and time.perf_counter() >= self.deadline
 
-    def _split(self, sk: Skeleton, st: Setting, limit: float, threshold: float = INF):
+    def _split(self, sk: Skeleton, st: Setting, limit: float, threshold: float = INF, dp_beaten: bool = False):
         """(split, analysis) of the best fitting split the target engine can run, or None:
         engines with one recomputation setting get the best split per mode, and an engine
-        that fixes the split (DeepSpeed's uniform partition) gets only that split."""
+        that fixes the split (DeepSpeed's uniform partition) gets only that split.
+        ``dp_beaten``: no split within the DPs' chunk budgets can beat ``threshold`` (see
+        :meth:`_dp_splits_bounded`), so only the splits outside them are tried."""
         e = self.engine
         if not self.restricted:
-            return self._split_modes(sk, st, limit, threshold, self.modes)
+            return self._split_modes(sk, st, limit, threshold, self.modes, dp_beaten)
         S = sk.pp * st.virtual_stages
         best = None
         for mode in (self.modes if e.uniform_recompute else (None,)):
@@ -823,12 +871,24 @@ class _Search:
                 best = found
         return best
 
-    def _split_modes(self, sk: Skeleton, st: Setting, limit: float, threshold: float, modes: tuple[str, ...]):
+    def _dp_splits_bounded(self, sk: Skeleton, st: Setting) -> bool:
+        """Whether :meth:`_split_modes` on this interleaved candidate returns a split within
+        the DPs' chunk budgets (``Splitter.chunk_budgets``) unless the even split or the
+        leanest split beats it: so a bound on such splits that cannot beat the shortlist
+        leaves only those two to try. Not where the refinement may run (short simulated
+        programs): it starts from whichever split was found."""
+        return st.virtual_stages > 1 and len(set(sk.kinds)) == 1 and not self.restricted \
+            and not (simulated(st, sk.pp) and program_actions(st, sk.pp) <= REFINE_ACTIONS)
+
+    def _split_modes(self, sk: Skeleton, st: Setting, limit: float, threshold: float, modes: tuple[str, ...],
+                     dp_beaten: bool = False):
         """(split, analysis) of the best fitting split found with per-stage recompute from
         ``modes``, or None. Interleaved chunks share their group's memory, so their DP works
         on per-chunk targets and the exact joint peak decides; the group-balanced split
         competes with the DP's. A simulated split whose busiest rank alone cannot beat
-        ``threshold``, or the best split found here so far, is not simulated."""
+        ``threshold``, or the best split found here so far, is not simulated.
+        ``dp_beaten`` (interleaved only): no split within the DPs' chunk budgets can beat
+        ``threshold``; only the even split and, failing it, the leanest split are tried."""
         timed_splits: dict = {}
         known: dict = {}   # (stage figures, shared by every split tried here)
         best = None
@@ -871,11 +931,13 @@ class _Search:
         sim = simulated(st, sk.pp)
         if st.virtual_stages == 1:
             tries = [lambda: self.splitter.split(sk, st, modes, period_limit=limit)]
+        elif dp_beaten:
+            tries = [lambda: self._even_interleave(sk, st, modes, timed)]
         else:
             tries = [lambda: timed_dp(True),
                      lambda: self.splitter.balanced_interleave(sk, st, modes),
                      lambda: self._even_interleave(sk, st, modes, timed)]
-        for attempt in (tries, [lambda: timed_dp(False)]):
+        for attempt in (tries, [] if dp_beaten else [lambda: timed_dp(False)]):
             for make in attempt:
                 split = make()
                 if split is None:
@@ -895,8 +957,11 @@ class _Search:
                     if analysis is not None and analysis.fits:
                         best = (split, analysis)
                         break
+        # (Before the shortlist is full, an unrestricted search refines later, against the
+        # shortlist it then has: see _best_first.)
         if best is not None and sim and program_actions(st, sk.pp) <= REFINE_ACTIONS \
-                and self.refine_left > 0 and best[1].time_s < REFINE_WINDOW * threshold:
+                and self.refine_left > 0 and best[1].time_s < REFINE_WINDOW * threshold \
+                and (threshold < INF or self.restricted):
             best = self._refine(sk, st, *best, modes=modes, known=known)
         return best
 

@@ -57,6 +57,10 @@ class SearchStats:
     """Candidates for which the DP found no layer split that fits in memory."""
     pruned_split_bound: int = 0
     """Splits not simulated because their busiest rank alone could not beat the shortlist."""
+    skipped_chunk_dps: int = 0
+    """Interleaved candidates whose layer-split DPs were skipped: no split within the DPs'
+    per-chunk memory budgets could beat the shortlist (``Bounds.share_period``), so only
+    the even and the leanest splits were tried."""
     unexplored: int = 0
     """Candidates neither examined nor pruned when the time limit stopped the search."""
     stopped_at_time_limit: bool = False

@@ -580,6 +580,25 @@ class Splitter:
             hit = self._reserve[key] = float(t.transient[qs][:, units].max())
         return hit
 
+    def chunk_budgets(self, sk: Skeleton, st: Setting, modes: tuple[str, ...], joint: bool):
+        """(counts, budgets) the DP holds interleaved chunks to: ``counts[g][c]`` micro-batches
+        in flight and ``budgets[g][c]`` bytes (the group's room after its context, buffers and
+        largest transient, shared out by :meth:`_chunk_shares`) for chunk c of group g, with
+        the joint peak's counts (``joint``) or each chunk's own most. Every split the DPs,
+        the group-balanced split and the leanest split within budget return keeps each chunk's
+        ``base + count * act`` within these."""
+        fl = inflight(st.schedule, sk.pp, st.num_micro_batches, st.virtual_stages)
+        counts = fl.joint if joint else fl.per_chunk
+        shares = self._chunk_shares(sk, st, counts)
+        qs = [RECOMPUTES.index(x) for x in modes]
+        budgets = []
+        for g in range(sk.pp):
+            pool = sk.kinds[g].pool
+            cap = self.tables.capacity(pool) - self.tables.fixed_bytes(pool, sk.groups[g], sk.pp, sk.ep)
+            room = cap - self.tables.dynamic_factor * self._transient_reserve(sk, g, st, qs)
+            budgets.append(tuple(room * share for share in shares[g]))
+        return counts, tuple(budgets)
+
     def _chunk_shares(self, sk: Skeleton, st: Setting, counts) -> list[list[float]]:
         """Share of its group's memory budget each chunk may use. With v chunks per group
         the budget is split in proportion to what an even chunk would need (its share of

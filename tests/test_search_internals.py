@@ -385,6 +385,78 @@ def test_memory_period_is_below_every_fitting_split(name):
     assert timed > unfloored * 1.01 if binds else timed >= unfloored
 
 
+SHARE_PERIOD_CASES = {
+    # name: (virtual stages, micro-batch, ZeRO, GiB per GPU, recompute modes, memory binds)
+    "v2-tight": (2, 2, 0, 3.6, ("none", "selective", "full"), True),
+    "v2-zero1": (2, 1, 1, 3.2, ("none", "selective", "full"), True),
+    "v3-tight": (3, 2, 0, 3.6, ("none", "full"), True),
+    "v3-zero1": (3, 1, 1, 3.2, ("none", "full"), True),
+    "v2-roomy": (2, 1, 2, 40.0, ("none", "full"), False),
+    "v2-no-split": (2, 2, 0, 3.2, ("none", "selective", "full"), None),
+}
+
+
+@pytest.mark.parametrize("name", SHARE_PERIOD_CASES, ids=list(SHARE_PERIOD_CASES))
+def test_share_period_is_below_every_split_within_chunk_budgets(name):
+    """Bounds.share_period never exceeds the busiest rank's work of an interleaved split whose
+    every chunk fits the budget the DP gives it (every split and per-chunk recomputation
+    enumerated, for both in-flight counts the DP uses); where memory binds, it is tighter
+    than memory_period and the memory-free work; where no split fits, it is INF."""
+    v, b, zero, memory, modes, binds = SHARE_PERIOD_CASES[name]
+    cluster = Cluster.from_dict({"inter_node": {"bandwidth_GBps": 10}, "node_groups": [
+        {"name": "n", "nodes": 2, "gpus_per_node": 2, "device": {
+            "name": "toy", "memory_GiB": memory, "peak_TFLOPS": {"bf16": 100}, "memory_bandwidth_GBps": 1000}}]})
+    tables = Tables(DEEP, cluster)
+    bounds_, splitter = Bounds(tables, modes, global_batch=16), Splitter(tables)
+    sk = Skeleton(groups=tuple(DeviceGroup(ranks=(2 * g, 2 * g + 1), tp=1) for g in range(2)), kinds=(Kind(0, 1),) * 2)
+    st = Setting(b, 16 // (2 * b), "interleaved-1f1b", v, zero, False)
+    qs = [RECOMPUTES.index(m) for m in modes]
+    S = 2 * v
+    for joint in (True, False):
+        counts, budgets = splitter.chunk_budgets(sk, st, modes, joint)
+        floor = bounds_.share_period(sk, st, counts, budgets)
+        busiest = []
+        for split in all_splits(DEEP.num_layers, S):
+            # Per stage, the modes in which it fits its chunk's budget (as the DP checks).
+            fitting = []
+            for j, (a, e) in enumerate(split):
+                g, chunk = j % 2, j // 2
+                base, act = splitter._states_mats(sk, g, st)
+                fitting.append([q for q in qs if base[q][a, e] + counts[g][chunk] * act[q][a, e] <= budgets[g][chunk]])
+            for rec in itertools.product(*fitting):
+                work = [0.0, 0.0]
+                for j, ((a, e), q) in enumerate(zip(split, rec)):
+                    work[j % 2] += float(splitter._time_mats(sk, j % 2, st)[q][a, e])
+                busiest.append(max(work))
+        found = splitter.split(sk, st, modes, joint=joint)
+        if binds is None:
+            # No split within the budgets: the bound says so, and so does the DP.
+            assert not busiest and found is None and floor == float("inf")
+            continue
+        assert busiest, "the case must have splits within the chunk budgets"
+        assert found is not None
+        assert 0.0 < floor <= min(busiest) * (1 + 1e-9)
+        if binds:
+            assert floor > bounds_.memory_period(sk, st) * 1.01
+            assert floor > min(bounds_.time_bound(0, sk, st) / st.num_micro_batches, splitter.free_period(
+                sk, st, modes) * v)
+
+
+def test_skipping_chunk_dps_keeps_the_search_result(monkeypatch):
+    """Interleaved candidates whose DP splits the share bound rules out skip their DPs; the
+    search returns the same plans as with every DP run."""
+    import search as search_pkg
+    model = models.get("llama2-13b")
+    cluster = Cluster.homogeneous("A100-80GB", 4, 8, inter_node_GBps=25)
+    fast = search_pkg.search(model, cluster, 256, progress=False)
+    assert fast.stats.skipped_chunk_dps > 0, "the case must exercise the skip"
+    monkeypatch.setattr(Bounds, "share_period", lambda self, sk, st, counts, budgets: 0.0)
+    full = search_pkg.search(model, cluster, 256, progress=False)
+    assert full.stats.skipped_chunk_dps == 0
+    assert [p.plan for p in fast.ranked] == [p.plan for p in full.ranked]
+    assert [p.estimate.iteration_time_s for p in fast.ranked] == [p.estimate.iteration_time_s for p in full.ranked]
+
+
 def test_memory_period_says_when_nothing_fits():
     """Too little memory for the states and one micro-batch anywhere: INF, and no split fits."""
     cluster = Cluster.from_dict({"node_groups": [{"name": "n", "nodes": 1, "gpus_per_node": 2, "device": {
