@@ -441,34 +441,37 @@ class Bounds:
 
     def share_period(self, sk: Skeleton, st: Setting, counts, budgets) -> float:
         """A lower bound on the busiest rank's work per micro-batch of any interleaved split
-        of a one-kind pipeline whose every chunk fits the budget the layer-split DP gives it
+        whose every chunk fits the budget the layer-split DP gives it
         (``counts[g][c]`` micro-batches of chunk c of rank g in flight within ``budgets[g][c]``
         bytes, :meth:`Splitter.chunk_budgets`), one recompute mode per chunk as the DP
-        chooses; 0.0 for mixed pipelines, INF when no such split exists. Much tighter than
+        chooses; INF when no such split exists. Much tighter than
         :meth:`memory_period`, which must also hold for splits that fit only by the exact
         joint peak and relaxes modes and units to fractions.
 
-        The same virtual units as memory_period, counted whole: x of them in chunk c take
+        The same virtual units as memory_period (each rank's of its own device kind and
+        data-parallel degree), counted whole: x of them in chunk c take
         t_c(x) = x * (the least cost of a mode in which x fit the chunk's budget). Every
         stage holds a unit and only the first and last stages can hold no block, so every
         other chunk holds at least one. T_g(X), the least time of X units on rank g, is the
         min-plus convolution of its chunks' t_c; K_g(tau), the most units rank g can take
         within period tau, follows. The least tau at which the ranks together take every
         unit bounds the busiest rank's work of every such split."""
-        if len(set(sk.kinds)) > 1:
-            return 0.0
         P, S = sk.pp, sk.pp * st.virtual_stages
+        b, sp, zero = st.micro_batch, st.sequence_parallel, st.zero
         ranks: dict = {}
         for g in range(P):
+            # (Each rank's units are its own kind's, with its states sharded over its own
+            # data x context ranks.)
+            shards = sk.groups[g].dp * sk.groups[g].cp
             ends = tuple(int(c * P + g == 0) + 2 * int(c * P + g == S - 1) for c in range(st.virtual_stages))
-            key = (tuple(counts[g]), tuple(budgets[g]), ends)
+            key = ((sk.kinds[g], shards), tuple(counts[g]), tuple(budgets[g]), ends)
             ranks[key] = ranks.get(key, 0) + 1
-        key = (sk.kinds[0], st.micro_batch, st.sequence_parallel, sk.shards, st.zero, tuple(ranks.items()))
+        key = (b, sp, zero, tuple(ranks.items()))
         hit = self._share.get(key)
         if hit is None:
-            unit = self._virtual_unit(sk.kinds[0], st.micro_batch, st.sequence_parallel, sk.shards, st.zero)
-            ends = self._end_units(sk.kinds[0], st.micro_batch, st.sequence_parallel, sk.shards, st.zero)
-            hit = self._share[key] = _share_period(*unit, ranks, ends)
+            units = {k[0]: (self._virtual_unit(k[0][0], b, sp, k[0][1], zero),
+                            self._end_units(k[0][0], b, sp, k[0][1], zero)) for k in ranks}
+            hit = self._share[key] = _share_period(ranks, units)
         return hit
 
     def _end_units(self, kind: Kind, b: int, sp: bool, shards: int, zero: int) -> tuple:
@@ -752,34 +755,37 @@ def _single_mode_period(cost: np.ndarray, most: np.ndarray, mult: np.ndarray, co
     return max(lo_t, tau * (1.0 - 1e-12))   # (a lower bound: rounding must not lift it above)
 
 
-def _share_period(cost: np.ndarray, act: np.ndarray, states: float, count: int, ranks: dict,
-                  ends: tuple = (None, None)) -> float:
-    """Bounds.share_period for ``count`` virtual units of per-mode ``cost`` and activation
-    bytes ``act`` and ``states`` bytes each, over ranks given as {(in-flight counts per chunk,
-    budgets per chunk, per chunk 1 if it is the first stage, 2 if the last): how many ranks
-    alike}; ``ends``: the (cost, act, states) of the first and last units where they are not
-    virtual units (None where they are). All ranks at once: a few numpy operations per chunk
-    position."""
+def _share_period(ranks: dict, units: dict) -> float:
+    """Bounds.share_period over ranks given as {(unit key, in-flight counts per chunk, budgets
+    per chunk, per chunk 1 if it is the first stage, 2 if the last): how many ranks alike},
+    with ``units[unit key]`` = ((cost[q], activation bytes[q], states, count) of the rank's
+    virtual unit, its (first, last) end units or None, see Bounds._end_units). All ranks at
+    once: a few numpy operations per chunk position."""
+    count = next(iter(units.values()))[0][3]
     if count == 0:
         return 0.0
     keys = list(ranks)
     mult = np.array([ranks[k] for k in keys])
-    n = np.array([k[0] for k in keys], dtype=float)                 # (ranks, chunks)
-    budget = np.array([k[1] for k in keys], dtype=float)
-    where = np.array([k[2] for k in keys])
+    n = np.array([k[1] for k in keys], dtype=float)                 # (ranks, chunks)
+    budget = np.array([k[2] for k in keys], dtype=float)
+    where = np.array([k[3] for k in keys])
+    cost = np.array([units[k[0]][0][0] for k in keys])[:, None, :]   # (ranks, 1, modes)
+    act = np.array([units[k[0]][0][1] for k in keys])[:, None, :]
+    states = np.array([units[k[0]][0][2] for k in keys])[:, None, None]
     # The first and last stages hold the end units besides any virtual ones (in the
     # stage's one mode); a stage holding one may hold no virtual unit, every other must.
-    extra_cost = np.zeros(n.shape + (len(cost),))
-    extra_bytes = np.zeros(n.shape + (len(cost),))
+    extra_cost = np.zeros(n.shape + (cost.shape[2],))
+    extra_bytes = np.zeros(extra_cost.shape)
     exempt = np.zeros(n.shape, dtype=bool)
-    for bit, end in ((1, ends[0]), (2, ends[1])):
-        if end is None:
-            continue
-        at = (where & bit) > 0
-        e_cost, e_act, e_states = end
-        extra_cost += at[..., None] * e_cost
-        extra_bytes += at[..., None] * (e_states + n[..., None] * e_act)
-        exempt |= at
+    for r, k in enumerate(keys):
+        for bit, end in zip((1, 2), units[k[0]][1]):
+            at = (where[r] & bit) > 0
+            if end is None or not at.any():
+                continue
+            e_cost, e_act, e_states = end
+            extra_cost[r] += at[:, None] * e_cost
+            extra_bytes[r] += at[:, None] * (e_states + n[r][:, None] * e_act)
+            exempt[r] |= at
     # Per chunk and mode, the most whole virtual units within the budget (-1: not even the
     # end unit fits in that mode).
     room = budget[..., None] - extra_bytes
@@ -793,7 +799,7 @@ def _share_period(cost: np.ndarray, act: np.ndarray, states: float, count: int, 
     # t[r, c, x]: x units in chunk c of rank r, in the cheapest mode they fit in (fitting
     # is monotone in x, so t is finite on an interval, and does not decrease on it).
     t = np.where(xs[None, None, :, None] <= most[:, :, None, :],
-                 xs[:, None] * cost + extra_cost[:, :, None, :], INF).min(axis=3)
+                 xs[None, None, :, None] * cost[:, :, None, :] + extra_cost[:, :, None, :], INF).min(axis=3)
     t[:, :, 0] = np.where(exempt, t[:, :, 0], INF)
     # T[r, X]: least time of X units on rank r, the min-plus convolution over its chunks.
     rest = xs[None, :] - xs[:, None]                                   # [x, X]: X - x

@@ -673,7 +673,7 @@ class _Search:
         heapq.heapify(shortlist)
         examined = 0
         time_pruned = 0   # (ZeRO stages of a candidate pruned by their own time bound)
-        unrefined: list[tuple] = []   # (shortlist items split before the shortlist was full)
+        unrefined: list[tuple] = []   # (items of short programs, refined once the loop is done)
         self.progress.phase("split", stats.candidates)
 
         def threshold() -> float:
@@ -775,16 +775,14 @@ class _Search:
                     m = st.num_micro_batches
                     denom = m if st.schedule == "zero-bubble" else m - 1
                     limit = threshold() / denom if denom > 0 else INF
-                threshold_then = threshold()
-                best = self._split(sk, st, limit, threshold_then, dp_beaten)
+                best = self._split(sk, st, limit, threshold(), dp_beaten)
                 if best is None:
                     stats.pruned_no_split += 1
                     continue
                 split, analysis = best
                 cand = Candidate(sk, st, split.bounds, split.recompute, analysis)
                 item = (-analysis.time_s, -(cnt * 4 + zi), cand)
-                if threshold_then == INF and not self.restricted and simulated(st, sk.pp) \
-                        and program_actions(st, sk.pp) <= REFINE_ACTIONS:
+                if not self.restricted and simulated(st, sk.pp) and program_actions(st, sk.pp) <= REFINE_ACTIONS:
                     unrefined.append(item)
                 if len(shortlist) < keep:
                     heapq.heappush(shortlist, item)
@@ -810,13 +808,16 @@ class _Search:
         return sorted(((-t, -o, cand) for t, o, cand in shortlist), key=lambda x: (x[0], x[1]))
 
     def _refine_late(self, unrefined: list[tuple], shortlist: list[tuple], keep: int) -> None:
-        """Refine the short programs split before the shortlist was full, now that it says
-        which are worth it (within REFINE_WINDOW of its worst, as every later split was
-        judged): the first candidates split are the ones with the least bounds, rarely the
-        fastest, and refining every one of them (the shortlist's worst was unknown) cost
-        more than the rest of the search. An improved candidate replaces its shortlist entry
-        or, if it had been pushed out, competes for a place again."""
-        for item in unrefined:
+        """Refine the splits of short programs once every candidate has been split, fastest
+        first, those within REFINE_WINDOW of the shortlist's worst as it then stands: the
+        candidates split first are the ones with the least bounds, rarely the fastest, and
+        refining them against the shortlist of that moment (loose, or not yet full) cost
+        more than the rest of the search. Judged against the final shortlist instead, a
+        split is refined only if refining could place it there by gaining less than the
+        window; the loop's own pruning only gets looser for it (unrefined times are never
+        below refined ones), so nothing it examined is lost. An improved candidate replaces
+        its shortlist entry or, if it had been pushed out, competes for a place again."""
+        for item in sorted(unrefined, key=lambda x: (-x[0], -x[1])):
             if self.refine_left <= 0:
                 break
             worst = -shortlist[0][0] if len(shortlist) >= keep else INF
@@ -877,7 +878,7 @@ class _Search:
         leanest split beats it: so a bound on such splits that cannot beat the shortlist
         leaves only those two to try. Not where the refinement may run (short simulated
         programs): it starts from whichever split was found."""
-        return st.virtual_stages > 1 and len(set(sk.kinds)) == 1 and not self.restricted \
+        return st.virtual_stages > 1 and not self.restricted \
             and not (simulated(st, sk.pp) and program_actions(st, sk.pp) <= REFINE_ACTIONS)
 
     def _split_modes(self, sk: Skeleton, st: Setting, limit: float, threshold: float, modes: tuple[str, ...],
@@ -957,11 +958,10 @@ class _Search:
                     if analysis is not None and analysis.fits:
                         best = (split, analysis)
                         break
-        # (Before the shortlist is full, an unrestricted search refines later, against the
-        # shortlist it then has: see _best_first.)
+        # (An unrestricted search refines once its loop is done, against the final
+        # shortlist: see _refine_late.)
         if best is not None and sim and program_actions(st, sk.pp) <= REFINE_ACTIONS \
-                and self.refine_left > 0 and best[1].time_s < REFINE_WINDOW * threshold \
-                and (threshold < INF or self.restricted):
+                and self.refine_left > 0 and best[1].time_s < REFINE_WINDOW * threshold and self.restricted:
             best = self._refine(sk, st, *best, modes=modes, known=known)
         return best
 

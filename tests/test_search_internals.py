@@ -393,6 +393,8 @@ SHARE_PERIOD_CASES = {
     "v3-zero1": (3, 1, 1, 3.2, ("none", "full"), True),
     "v2-roomy": (2, 1, 2, 40.0, ("none", "full"), False),
     "v2-no-split": (2, 2, 0, 3.2, ("none", "selective", "full"), None),
+    "v2-mixed": (2, 2, 0, (3.6, 4.4), ("none", "selective", "full"), True),
+    "v3-mixed-zero1": (3, 1, 1, (3.2, 4.0), ("none", "full"), True),
 }
 
 
@@ -403,12 +405,16 @@ def test_share_period_is_below_every_split_within_chunk_budgets(name):
     enumerated, for both in-flight counts the DP uses); where memory binds, it is tighter
     than memory_period and the memory-free work; where no split fits, it is INF."""
     v, b, zero, memory, modes, binds = SHARE_PERIOD_CASES[name]
+    # (Two memory sizes: a pipeline of two device kinds, the second one slower.)
+    sizes = memory if isinstance(memory, tuple) else (memory,)
     cluster = Cluster.from_dict({"inter_node": {"bandwidth_GBps": 10}, "node_groups": [
-        {"name": "n", "nodes": 2, "gpus_per_node": 2, "device": {
-            "name": "toy", "memory_GiB": memory, "peak_TFLOPS": {"bf16": 100}, "memory_bandwidth_GBps": 1000}}]})
+        {"name": f"n{i}", "nodes": 2 // len(sizes), "gpus_per_node": 2, "device": {
+            "name": f"toy{i}", "memory_GiB": gib, "peak_TFLOPS": {"bf16": 100 - 40 * i}, "memory_bandwidth_GBps": 1000}}
+        for i, gib in enumerate(sizes)]})
     tables = Tables(DEEP, cluster)
     bounds_, splitter = Bounds(tables, modes, global_batch=16), Splitter(tables)
-    sk = Skeleton(groups=tuple(DeviceGroup(ranks=(2 * g, 2 * g + 1), tp=1) for g in range(2)), kinds=(Kind(0, 1),) * 2)
+    sk = Skeleton(groups=tuple(DeviceGroup(ranks=(2 * g, 2 * g + 1), tp=1) for g in range(2)),
+                  kinds=tuple(Kind(g if len(sizes) > 1 else 0, 1) for g in range(2)))
     st = Setting(b, 16 // (2 * b), "interleaved-1f1b", v, zero, False)
     qs = [RECOMPUTES.index(m) for m in modes]
     S = 2 * v
@@ -437,7 +443,7 @@ def test_share_period_is_below_every_split_within_chunk_budgets(name):
         assert found is not None
         assert 0.0 < floor <= min(busiest) * (1 + 1e-9)
         if binds:
-            assert floor > bounds_.memory_period(sk, st) * 1.01
+            assert floor > bounds_.memory_period(sk, st) * 1.01   # (0 on mixed pipelines)
             assert floor > min(bounds_.time_bound(0, sk, st) / st.num_micro_batches, splitter.free_period(
                 sk, st, modes) * v)
 
