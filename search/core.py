@@ -19,6 +19,8 @@ Phases (each timed in ``SearchStats.phase_s``):
 """
 from __future__ import annotations
 
+import contextlib
+import gc
 import heapq
 import itertools
 import time
@@ -73,7 +75,28 @@ def search(model: ModelSpec, cluster: Cluster, global_batch: int, **constraints)
             what = (f"the model's {model.heads} attention heads ({model.kv_heads} key/value heads)"
                     if model.tp_shardable else f"{model.name} (its layers are not tensor-parallel)")
             raise ConfigError("tp", f"{bad[0]} does not divide {what}", f"allowed degrees: {allowed}")
-    return _Search(model, cluster, global_batch, c).run()
+    with _fewer_collections():
+        return _Search(model, cluster, global_batch, c).run()
+
+
+GC_ALLOCATIONS = 100_000
+"""Allocations between the garbage collector's young-generation passes during a search
+(CPython's default is 700)."""
+
+
+@contextlib.contextmanager
+def _fewer_collections():
+    """Let the cyclic garbage collector run less often while searching. The search makes
+    millions of short-lived, acyclic objects (tuples, small arrays, simulated timelines)
+    beside long-lived caches; at the default threshold the collector's passes over those
+    caches took 10-20% of a search's CPU time. Reference counting still frees everything
+    at once, and the threshold is restored afterwards."""
+    old = gc.get_threshold()
+    gc.set_threshold(max(old[0], GC_ALLOCATIONS), *old[1:])
+    try:
+        yield
+    finally:
+        gc.set_threshold(*old)
 
 
 def model_violation(model: ModelSpec, engine) -> ConfigError | None:
