@@ -371,7 +371,8 @@ def _model(tables: Tables, *, dp: int, micro_batch: int, num_micro_batches: int,
         tail = mdl.NewIntVar(0, horizon, "tail")
         for g in K:
             mdl.Add(tail >= ti(OPT[g]) * c[g])
-        mdl.Minimize((m - 1) * tau + fill + 2 * ti(hop) * hops + tail)
+        objective = (m - 1) * tau + fill + 2 * ti(hop) * hops + tail
+        mdl.Minimize(objective)
 
         def solve() -> float | None:
             solver = cp_model.CpSolver()
@@ -412,6 +413,10 @@ def _model(tables: Tables, *, dp: int, micro_batch: int, num_micro_batches: int,
                 mdl.Add(n[g] != count).OnlyEnforceIf(diff)
                 lits.append(diff)
             mdl.AddBoolOr(lits)
+            if status == cp_model.OPTIMAL:
+                # What is left was there when this optimum was proven: none of it is better,
+                # so the next solve stops at the first solution that ties.
+                mdl.Add(objective >= int(round(solver.ObjectiveValue())))
             stats.skeletons += len(found) - before
             return solver.ObjectiveValue() / t_scale
 
