@@ -37,6 +37,8 @@ from costmodel.efficiency import default_efficiency
 from search.evaluate import Skeleton
 from search.tables import RECOMPUTES, Kind, Tables
 
+INF = float("inf")
+
 
 @dataclass
 class PlacementStats:
@@ -54,6 +56,9 @@ class PlacementStats:
     """Sequences enumerated exhaustively instead (small clusters: CP-SAT not needed)."""
     skipped: int = 0
     """(dp, micro-batch) pairs not placed: no pipeline of them could hold the model."""
+    floored: int = 0
+    """Models not solved: their objective's floor (``Proposals.floor_s``) was beyond
+    ``placement_alternatives_within`` of the best optimum of their ZeRO sizing."""
     wall_s: float = 0.0
     """Seconds in CP-SAT."""
 
@@ -112,21 +117,27 @@ def place(tables: Tables, *, dp: int, micro_batch: int, num_micro_batches: int, 
     or 2 as well (on the benchmark's 16,384-GPU three-type cluster the best plan, ZeRO-2 on
     6 stages, is proposed only by the ZeRO-3 sizing; without it the best found was 39%
     slower)."""
+    models = sizings(tables, dp=dp, micro_batch=micro_batch, num_micro_batches=num_micro_batches,
+                     sequence_parallel=sequence_parallel, kinds=kinds, zeros=zeros, modes=modes,
+                     max_stages=max_stages, use_all_gpus=use_all_gpus, alternatives=alternatives,
+                     det_time_limit=det_time_limit, seed=seed, stats=stats, orders=orders)
+    return [props for props in models if props.first()]
+
+
+def sizings(tables: Tables, *, dp: int, micro_batch: int, num_micro_batches: int, sequence_parallel: bool,
+            kinds: list[Kind], zeros: list[int], modes: list[str], max_stages: int, use_all_gpus: bool,
+            alternatives: int, det_time_limit: float, seed: int, stats: PlacementStats,
+            orders: int = 2) -> "list[Proposals]":
+    """The models ``place`` solves for one (dp, micro-batch), one per ZeRO sizing, none
+    solved yet (each knows its objective's floor, so a caller can solve the promising
+    ones first and leave the hopeless unsolved)."""
     lean = [z for z in zeros if z < 3 or dp == 1]
     tries = ([max(lean)] if lean else []) + ([3] if 3 in zeros and dp > 1 else [])
-    out = []
-    for z in tries:
-        props = Proposals(tables, dp=dp, micro_batch=micro_batch, num_micro_batches=num_micro_batches,
-                          sequence_parallel=sequence_parallel, kinds=kinds, zero=z, modes=modes,
-                          max_stages=max_stages, use_all_gpus=use_all_gpus, alternatives=alternatives,
-                          det_time_limit=det_time_limit, seed=seed, stats=stats, orders=orders)
-        # (Until a sequence is allocated: a solution whose groups the pools cannot lay out
-        # proposes nothing, and the next-best may.)
-        while not props.found and props.solve():
-            pass
-        if props.found:
-            out.append(props)
-    return out
+    return [Proposals(tables, dp=dp, micro_batch=micro_batch, num_micro_batches=num_micro_batches,
+                      sequence_parallel=sequence_parallel, kinds=kinds, zero=z, modes=modes,
+                      max_stages=max_stages, use_all_gpus=use_all_gpus, alternatives=alternatives,
+                      det_time_limit=det_time_limit, seed=seed, stats=stats, orders=orders)
+            for z in tries]
 
 
 class Proposals:
@@ -142,7 +153,18 @@ class Proposals:
         self.zero: int = kw["zero"]
         """The ZeRO stage the model was sized for."""
         self._left = max(1, kw.pop("alternatives"))
-        self._solve = _model(tables, **kw, found=self.found)
+        floor_s, self._solve = _model(tables, **kw, found=self.found)
+        self.floor_s: float = floor_s
+        """No solution's objective (seconds) is below it, infinite where the model has none
+        (``_objective_floor``); known before any solve."""
+
+    def first(self) -> bool:
+        """Solve for the optimum; whether anything was proposed. (Until a sequence is
+        allocated: a solution whose groups the pools cannot lay out proposes nothing, and
+        the next-best may.)"""
+        while not self.found and self.solve():
+            pass
+        return bool(self.found)
 
     def solve(self) -> bool:
         """Solve once more (the next-best set of runs); False when nothing is left."""
@@ -167,16 +189,17 @@ class Proposals:
 def _model(tables: Tables, *, dp: int, micro_batch: int, num_micro_batches: int, sequence_parallel: bool,
            kinds: list[Kind], zero: int, modes: list[str], max_stages: int, use_all_gpus: bool,
            det_time_limit: float, seed: int, stats: PlacementStats, orders: int, found: list[Skeleton]):
-    """The CP-SAT model of one (dp, micro-batch, ZeRO stage) as a function that solves it
-    once, adds the sequences of the solution to ``found``, cuts that solution off and
-    returns its objective in seconds (None: infeasible or no solution in time); None
-    when there is nothing to place."""
+    """The CP-SAT model of one (dp, micro-batch, ZeRO stage): the floor of its objective
+    in seconds (``_objective_floor``) and a function that solves it once (building it on
+    the first call), adds the sequences of the solution to ``found``, cuts that solution
+    off and returns its objective in seconds (None: infeasible or no solution in time);
+    (inf, None) when there is nothing to place."""
     model, cluster = tables.model, tables.cluster
     L = model.num_layers
     lead, tail = _ends(model)
     nb = L - lead - tail
     if nb < 1 or not kinds:
-        return None
+        return INF, None
     m, b = num_micro_batches, micro_batch
     stack = tables.stack
     w = stack.gathered_weights_bytes_per_param
@@ -235,153 +258,230 @@ def _model(tables: Tables, *, dp: int, micro_batch: int, num_micro_batches: int,
     def mi(x: float) -> int:
         return int(round(x * m_scale))
 
-    # A hop between node groups crosses the slower NIC of the two; tp ranks send in parallel.
-    out_bytes = b * float(max(l.output_bytes for l in model.layers))
-    nics = [cluster.nic(k.pool) for k in kinds]
-    hop = max(n.latency for n in nics) + out_bytes / min(k.tp for k in kinds) / (
-        min(n.bandwidth for n in nics) * 0.85)
     S_max = min(max_stages, nb)
+    floor = _objective_floor(kinds, qs, nb, m, S_max, N,
+                             time={(g, q): ti(T[g, q]) for g in K for q in qs},
+                             room={(g, q): mi(cap[g]) - mi(TR[g]) for g in K for q in qs},
+                             per_unit={(g, q): mi(SB[g] + A[g, q]) for g in K for q in qs})
+    if floor is None:
+        return INF, None
 
-    mdl = cp_model.CpModel()
-    u = {g: mdl.NewBoolVar(f"u{g}") for g in K}                     # kind g forms a run
-    n = {g: mdl.NewIntVar(0, N[g], f"n{g}") for g in K}             # its device groups
-    c = {g: mdl.NewIntVar(0, nb, f"c{g}") for g in K}               # body units per stage
-    rho = {(g, q): mdl.NewBoolVar(f"rho{g}_{q}") for g in K for q in qs}
-    bare = {}
-    for g in K:
-        mdl.Add(n[g] >= u[g])
-        mdl.Add(n[g] <= N[g] * u[g])
-        # A run holds body units, except a single first (last) stage may hold only
-        # the embedding (head): that is how little a slow device can usefully take.
-        bare[g] = mdl.NewBoolVar(f"bare{g}")
-        mdl.Add(c[g] >= u[g] - bare[g])
-        mdl.Add(c[g] <= nb * u[g])
-        mdl.Add(sum(rho[g, q] for q in qs) == u[g])
-    used = {}
-    for k in pools:
-        mine = [g for g in K if kinds[g].pool == k]
-        used[k] = sum(u[g] for g in mine)
-        mdl.Add(used[k] <= 1)      # one run, one tp per node group
-        gpus = sum(n[g] * dp * kinds[g].tp for g in mine)
-        if use_all_gpus:
-            mdl.Add(gpus == cluster.groups[k].num_gpus)
-    stages = sum(n.values())
-    mdl.Add(stages >= 1)
-    mdl.Add(stages <= S_max)
-    # nc[g] = n[g] * c[g]: units the run holds; together they cover the body.
-    nc = {}
-    for g in K:
-        nc[g] = mdl.NewIntVar(0, N[g] * nb, f"nc{g}")
-        mdl.AddMultiplicationEquality(nc[g], [n[g], c[g]])
-    mdl.Add(sum(nc.values()) >= nb)
-    # Order of the runs: before[k, l] = node group k's run precedes l's.
-    before = {}
-    for k in pools:
-        for l in pools:
-            if k < l:
-                before[k, l] = mdl.NewBoolVar(f"b{k}_{l}")
-                before[l, k] = before[k, l].Not()
-    for k in pools:
-        for l in pools:
-            for j in pools:
-                if len({k, l, j}) == 3:
-                    mdl.AddBoolOr([before[k, l].Not(), before[l, j].Not(), before[k, j]])
-    npool = {k: sum(n[g] for g in K if kinds[g].pool == k) for k in pools}
-    # after[k]: stages behind node group k's run (they set its in-flight count).
-    after = {}
-    for k in pools:
-        terms = []
-        for l in pools:
-            if l == k:
-                continue
-            z = mdl.NewIntVar(0, S_max, f"a{k}_{l}")
-            mdl.Add(z <= npool[l])
-            mdl.Add(z <= S_max * before[k, l])
-            mdl.Add(z >= npool[l] - S_max * (1 - before[k, l]))
-            terms.append(z)
-        after[k] = mdl.NewIntVar(0, S_max, f"after{k}")
-        mdl.Add(after[k] == sum(terms))
-    first, last = {}, {}
-    for k in pools:
-        # First run: every other used run comes after it; last: none does.
-        first[k] = mdl.NewBoolVar(f"first{k}")
-        last[k] = mdl.NewBoolVar(f"last{k}")
-        mdl.Add(after[k] == stages - npool[k]).OnlyEnforceIf(first[k])
-        mdl.Add(after[k] != stages - npool[k]).OnlyEnforceIf(first[k].Not())
-        mdl.Add(after[k] == 0).OnlyEnforceIf(last[k])
-        mdl.Add(after[k] >= 1).OnlyEnforceIf(last[k].Not())
-    for g in K:
-        k = kinds[g].pool
-        mdl.Add(n[g] == 1).OnlyEnforceIf(bare[g])
-        mdl.AddBoolOr([first[k], last[k]]).OnlyEnforceIf(bare[g])
-    horizon = ti(max(T[g, q] for g in K for q in qs) * nb + max(E.values()) + max(H.values())) + 10
-    tau = mdl.NewIntVar(0, horizon, "tau")
-    big_t = horizon
-    for g in K:
-        k = kinds[g].pool
-        # In flight at the run's front stage under 1F1B: the stages from there to the end.
-        front = mdl.NewIntVar(0, S_max, f"front{g}")
-        mdl.AddMinEquality(front, [after[k] + n[g], m])
-        cf = mdl.NewIntVar(0, S_max * nb, f"cf{g}")
-        mdl.AddMultiplicationEquality(cf, [c[g], front])
-        for q in qs:
-            on = [rho[g, q]]
-            mdl.Add(tau >= ti(T[g, q]) * c[g] + ti(E[g]) * first[k] + ti(H[g]) * last[k]
-                    - big_t * (1 - rho[g, q]))
-            # The run's front stage (most in flight) and, for the last run, its last
-            # stage (the head's logits) must fit.
-            mdl.Add(mi(SB[g]) * c[g] + mi(A[g, q]) * cf + mi(SE[g]) * first[k] + mi(Ae[g]) * m * first[k]
-                    + mi(TR[g]) <= mi(cap[g])).OnlyEnforceIf(on)
-            mdl.Add(mi(SB[g] + A[g, q]) * c[g] + mi(SH[g] + Ah[g] + TRH[g]) * last[k] + mi(TR[g])
-                    <= mi(cap[g])).OnlyEnforceIf(on)
-    fill = sum(ti(T[g, qs[0]]) * nc[g] for g in K)
-    hops = sum(used.values()) - 1
-    # The iteration ends with the slowest stage's optimizer step.
-    tail = mdl.NewIntVar(0, horizon, "tail")
-    for g in K:
-        mdl.Add(tail >= ti(OPT[g]) * c[g])
-    mdl.Minimize((m - 1) * tau + fill + 2 * ti(hop) * hops + tail)
+    def build():
+        # A hop between node groups crosses the slower NIC of the two; tp ranks send in parallel.
+        out_bytes = b * float(max(l.output_bytes for l in model.layers))
+        nics = [cluster.nic(k.pool) for k in kinds]
+        hop = max(n.latency for n in nics) + out_bytes / min(k.tp for k in kinds) / (
+            min(n.bandwidth for n in nics) * 0.85)
 
-    def solve() -> float | None:
-        solver = cp_model.CpSolver()
-        solver.parameters.num_workers = 1
-        solver.parameters.random_seed = seed
-        solver.parameters.max_deterministic_time = det_time_limit
-        t0 = time.perf_counter()
-        status = solver.Solve(mdl)
-        stats.wall_s += time.perf_counter() - t0
-        stats.solves += 1
-        if status == cp_model.OPTIMAL:
-            stats.optimal += 1
-        if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
-            if status == cp_model.INFEASIBLE:
-                stats.infeasible += 1
-            return None
-        before = len(found)
-        runs = [(solver.Value(after[kinds[g].pool]), g) for g in K if solver.Value(u[g])]
-        ordered = [g for _, g in sorted(runs, reverse=True)]
-        # The model orders runs only through memory (in-flight counts) and sizes them by
-        # averages; the DP judges orders exactly, so the reverse order is kept too (with
-        # two node groups that is every order), and every order of up to ``orders`` runs
-        # (an order whose groups cannot hold the model is pruned before any DP).
-        if len(ordered) <= orders:
-            ways = [ordered] + [list(o) for o in itertools.permutations(ordered) if list(o) != ordered]
+        mdl = cp_model.CpModel()
+        u = {g: mdl.NewBoolVar(f"u{g}") for g in K}                     # kind g forms a run
+        n = {g: mdl.NewIntVar(0, N[g], f"n{g}") for g in K}             # its device groups
+        c = {g: mdl.NewIntVar(0, nb, f"c{g}") for g in K}               # body units per stage
+        rho = {(g, q): mdl.NewBoolVar(f"rho{g}_{q}") for g in K for q in qs}
+        bare = {}
+        for g in K:
+            mdl.Add(n[g] >= u[g])
+            mdl.Add(n[g] <= N[g] * u[g])
+            # A run holds body units, except a single first (last) stage may hold only
+            # the embedding (head): that is how little a slow device can usefully take.
+            bare[g] = mdl.NewBoolVar(f"bare{g}")
+            mdl.Add(c[g] >= u[g] - bare[g])
+            mdl.Add(c[g] <= nb * u[g])
+            mdl.Add(sum(rho[g, q] for q in qs) == u[g])
+        used = {}
+        for k in pools:
+            mine = [g for g in K if kinds[g].pool == k]
+            used[k] = sum(u[g] for g in mine)
+            mdl.Add(used[k] <= 1)      # one run, one tp per node group
+            gpus = sum(n[g] * dp * kinds[g].tp for g in mine)
+            if use_all_gpus:
+                mdl.Add(gpus == cluster.groups[k].num_gpus)
+        stages = sum(n.values())
+        mdl.Add(stages >= 1)
+        mdl.Add(stages <= S_max)
+        # nc[g] = n[g] * c[g]: units the run holds; together they cover the body.
+        nc = {}
+        for g in K:
+            nc[g] = mdl.NewIntVar(0, N[g] * nb, f"nc{g}")
+            mdl.AddMultiplicationEquality(nc[g], [n[g], c[g]])
+        mdl.Add(sum(nc.values()) >= nb)
+        # Order of the runs: before[k, l] = node group k's run precedes l's.
+        before = {}
+        for k in pools:
+            for l in pools:
+                if k < l:
+                    before[k, l] = mdl.NewBoolVar(f"b{k}_{l}")
+                    before[l, k] = before[k, l].Not()
+        for k in pools:
+            for l in pools:
+                for j in pools:
+                    if len({k, l, j}) == 3:
+                        mdl.AddBoolOr([before[k, l].Not(), before[l, j].Not(), before[k, j]])
+        npool = {k: sum(n[g] for g in K if kinds[g].pool == k) for k in pools}
+        # after[k]: stages behind node group k's run (they set its in-flight count).
+        after = {}
+        for k in pools:
+            terms = []
+            for l in pools:
+                if l == k:
+                    continue
+                z = mdl.NewIntVar(0, S_max, f"a{k}_{l}")
+                mdl.Add(z <= npool[l])
+                mdl.Add(z <= S_max * before[k, l])
+                mdl.Add(z >= npool[l] - S_max * (1 - before[k, l]))
+                terms.append(z)
+            after[k] = mdl.NewIntVar(0, S_max, f"after{k}")
+            mdl.Add(after[k] == sum(terms))
+        first, last = {}, {}
+        for k in pools:
+            # First run: every other used run comes after it; last: none does.
+            first[k] = mdl.NewBoolVar(f"first{k}")
+            last[k] = mdl.NewBoolVar(f"last{k}")
+            mdl.Add(after[k] == stages - npool[k]).OnlyEnforceIf(first[k])
+            mdl.Add(after[k] != stages - npool[k]).OnlyEnforceIf(first[k].Not())
+            mdl.Add(after[k] == 0).OnlyEnforceIf(last[k])
+            mdl.Add(after[k] >= 1).OnlyEnforceIf(last[k].Not())
+        for g in K:
+            k = kinds[g].pool
+            mdl.Add(n[g] == 1).OnlyEnforceIf(bare[g])
+            mdl.AddBoolOr([first[k], last[k]]).OnlyEnforceIf(bare[g])
+        horizon = ti(max(T[g, q] for g in K for q in qs) * nb + max(E.values()) + max(H.values())) + 10
+        tau = mdl.NewIntVar(0, horizon, "tau")
+        big_t = horizon
+        for g in K:
+            k = kinds[g].pool
+            # In flight at the run's front stage under 1F1B: the stages from there to the end.
+            front = mdl.NewIntVar(0, S_max, f"front{g}")
+            mdl.AddMinEquality(front, [after[k] + n[g], m])
+            cf = mdl.NewIntVar(0, S_max * nb, f"cf{g}")
+            mdl.AddMultiplicationEquality(cf, [c[g], front])
+            for q in qs:
+                on = [rho[g, q]]
+                mdl.Add(tau >= ti(T[g, q]) * c[g] + ti(E[g]) * first[k] + ti(H[g]) * last[k]
+                        - big_t * (1 - rho[g, q]))
+                # The run's front stage (most in flight) and, for the last run, its last
+                # stage (the head's logits) must fit.
+                mdl.Add(mi(SB[g]) * c[g] + mi(A[g, q]) * cf + mi(SE[g]) * first[k] + mi(Ae[g]) * m * first[k]
+                        + mi(TR[g]) <= mi(cap[g])).OnlyEnforceIf(on)
+                mdl.Add(mi(SB[g] + A[g, q]) * c[g] + mi(SH[g] + Ah[g] + TRH[g]) * last[k] + mi(TR[g])
+                        <= mi(cap[g])).OnlyEnforceIf(on)
+        fill = sum(ti(T[g, qs[0]]) * nc[g] for g in K)
+        hops = sum(used.values()) - 1
+        # The iteration ends with the slowest stage's optimizer step.
+        tail = mdl.NewIntVar(0, horizon, "tail")
+        for g in K:
+            mdl.Add(tail >= ti(OPT[g]) * c[g])
+        objective = (m - 1) * tau + fill + 2 * ti(hop) * hops + tail
+        mdl.Minimize(objective)
+
+        def solve() -> float | None:
+            solver = cp_model.CpSolver()
+            solver.parameters.num_workers = 1
+            solver.parameters.random_seed = seed
+            solver.parameters.max_deterministic_time = det_time_limit
+            t0 = time.perf_counter()
+            status = solver.Solve(mdl)
+            stats.wall_s += time.perf_counter() - t0
+            stats.solves += 1
+            if status == cp_model.OPTIMAL:
+                stats.optimal += 1
+            if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+                if status == cp_model.INFEASIBLE:
+                    stats.infeasible += 1
+                return None
+            before = len(found)
+            runs = [(solver.Value(after[kinds[g].pool]), g) for g in K if solver.Value(u[g])]
+            ordered = [g for _, g in sorted(runs, reverse=True)]
+            # The model orders runs only through memory (in-flight counts) and sizes them by
+            # averages; the DP judges orders exactly, so the reverse order is kept too (with
+            # two node groups that is every order), and every order of up to ``orders`` runs
+            # (an order whose groups cannot hold the model is pruned before any DP).
+            if len(ordered) <= orders:
+                ways = [ordered] + [list(o) for o in itertools.permutations(ordered) if list(o) != ordered]
+            else:
+                ways = [ordered, ordered[::-1]]
+            for order in ways:
+                seq = [kinds[g] for g in order for _ in range(solver.Value(n[g]))]
+                sk = allocate(tables, dp, seq)
+                if sk is not None and all(sk.groups != f.groups for f in found):
+                    found.append(sk)
+            # Not this same set of runs again: some kind switches on or off, or a count differs.
+            sol = {g: solver.Value(n[g]) for g in K if solver.Value(u[g])}
+            lits = [u[g] for g in K if g not in sol] + [u[g].Not() for g in sol]
+            for g, count in sol.items():
+                diff = mdl.NewBoolVar(f"d{g}_{count}")
+                mdl.Add(n[g] != count).OnlyEnforceIf(diff)
+                lits.append(diff)
+            mdl.AddBoolOr(lits)
+            if status == cp_model.OPTIMAL:
+                # What is left was there when this optimum was proven: none of it is better,
+                # so the next solve stops at the first solution that ties.
+                mdl.Add(objective >= int(round(solver.ObjectiveValue())))
+            stats.skeletons += len(found) - before
+            return solver.ObjectiveValue() / t_scale
+
+        return solve
+
+    built = []
+
+    def solve_lazily() -> float | None:
+        if not built:
+            built.append(build())
+        return built[0]()
+
+    return floor / t_scale, solve_lazily
+
+
+def _objective_floor(kinds: list[Kind], qs: list[int], nb: int, m: int, S_max: int, N: dict,
+                     time: dict, room: dict, per_unit: dict) -> float | None:
+    """A lower bound on the placement model's objective, in its integer units, from a
+    relaxation solved without CP-SAT (None: the model has no solution).
+
+    Kept of the model: the objective is at least ``(m - 1) * tau + fill``; ``fill`` at least
+    the body's units on the kind fastest per unit; a stage of kind ``g`` in mode ``q``
+    holds at most ``room // per_unit`` units (its memory constraint less the non-negative
+    terms) and at most ``tau // time`` (the period constraint); each node group serves at
+    most one kind, ``n_g <= N_g`` stages, at most ``S_max`` in all, and the stages cover
+    the body. Dropped (each only raises the optimum): the order, the in-flight
+    activations, the embedding and head, hops, the optimizer tail, the GPU count. The
+    least ``tau`` at which the stages can cover the body is found by bisection (coverage
+    only grows with ``tau``)."""
+    pools = sorted({kd.pool for kd in kinds})
+    by_pool = [[g for g in range(len(kinds)) if kinds[g].pool == k] for k in pools]
+    most = {(g, q): nb if per_unit[g, q] <= 0 else max(0, min(nb, room[g, q] // per_unit[g, q]))
+            for g in range(len(kinds)) for q in qs}
+
+    def units(g: int, tau: int) -> int:
+        return max(min(most[g, q], nb if time[g, q] <= 0 else tau // time[g, q]) for q in qs)
+
+    def covers(tau: int) -> bool:
+        # The most units S_max stages can hold: per node group one kind (one that holds
+        # fewer units on no more stages than another is never better), its stages filled
+        # best first across the groups.
+        options = []
+        for gs in by_pool:
+            held = [(units(g, tau), N[g]) for g in gs]
+            options.append([h for h in held if not any(o != h and o[0] >= h[0] and o[1] >= h[1] for o in held)])
+        for choice in itertools.product(*options):
+            per = sorted(choice, reverse=True)
+            left, held = S_max, 0
+            for u, n in per:
+                take = min(n, left)
+                held += u * take
+                left -= take
+            if held >= nb:
+                return True
+        return False
+
+    hi = max(time.values()) * nb + 1
+    if not covers(hi):
+        return None
+    lo = 0
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if covers(mid):
+            hi = mid
         else:
-            ways = [ordered, ordered[::-1]]
-        for order in ways:
-            seq = [kinds[g] for g in order for _ in range(solver.Value(n[g]))]
-            sk = allocate(tables, dp, seq)
-            if sk is not None and all(sk.groups != f.groups for f in found):
-                found.append(sk)
-        # Not this same set of runs again: some kind switches on or off, or a count differs.
-        sol = {g: solver.Value(n[g]) for g in K if solver.Value(u[g])}
-        lits = [u[g] for g in K if g not in sol] + [u[g].Not() for g in sol]
-        for g, count in sol.items():
-            diff = mdl.NewBoolVar(f"d{g}_{count}")
-            mdl.Add(n[g] != count).OnlyEnforceIf(diff)
-            lits.append(diff)
-        mdl.AddBoolOr(lits)
-        stats.skeletons += len(found) - before
-        return solver.ObjectiveValue() / t_scale
-
-    return solve
+            lo = mid + 1
+    fill = nb * min(time[g, qs[0]] for g in range(len(kinds)))
+    return (m - 1) * lo + fill

@@ -111,7 +111,9 @@ class SearchStats:
                 lines.append(f"  placement: all {p.enumerated:,} device-group sequences enumerated")
             else:
                 lines.append(f"  placement: {p.solves} CP-SAT solves ({p.optimal} optimal, {p.infeasible} infeasible), "
-                             f"{p.skeletons} device-group sequences, {p.wall_s:.2f} s")
+                             f"{p.skeletons} device-group sequences, {p.wall_s:.2f} s"
+                             + (f"; {p.floored} models left unsolved (their floor cannot come within "
+                                "placement_alternatives_within of the best)" if p.floored else ""))
         return "\n".join(lines)
 
 

@@ -70,7 +70,8 @@ class Constraints:
     placement_alternatives_within: float = 0.2
     """CP-SAT's next-best sequences are sought for a data-parallel degree only where its
     optimum's objective (the placement model's closed form) is within this fraction of the
-    best degree's sized for the same ZeRO stage (``float('inf')``: for every degree)."""
+    best degree's sized for the same ZeRO stage, and a degree whose objective's floor is
+    beyond it is not solved at all (``float('inf')``: every degree, with alternatives)."""
     placement_orders: int = 2
     """On a CP-SAT solution of up to this many runs (node groups used), every order of its
     runs is proposed; beyond, the solution's order and its reverse. 3 covers every order

@@ -16,7 +16,7 @@ from costmodel.estimate import stage_costs
 from search.bounds import Bounds
 from search.evaluate import Setting, Skeleton, analyze, pipeline_time, simulated, stage_figures
 from search.inflight import inflight
-from search.placement import PlacementStats, place, pool_kinds
+from search.placement import PlacementStats, place, pool_kinds, sizings
 from search.split import Splitter
 from search.tables import RECOMPUTES, Kind, Tables
 
@@ -509,6 +509,27 @@ def test_placement_is_deterministic_and_respects_the_cluster():
             used[k.pool] = used.get(k.pool, 0) + len(g.ranks)
         assert all(n <= cluster.groups[p].num_gpus for p, n in used.items())
         assert len({r for g in groups for r in g.ranks}) == sum(len(g.ranks) for g in groups)
+
+
+@pytest.mark.parametrize("name,dp,zeros,fits", [
+    ("gpt3-1.3b", 1, [0], True),
+    ("gpt3-1.3b", 2, [0, 1, 2, 3], True),
+    ("gpt3-13b", 4, [1, 3], True),
+    ("gpt3-175b", 2, [0, 3], False),
+], ids=["1.3b-dp1", "1.3b-dp2-both-sizings", "13b-dp4-both-sizings", "175b-holds-nowhere"])
+def test_placement_floor_is_below_its_optimum(name, dp, zeros, fits):
+    """The floor a model knows before any solve (it decides which models go unsolved)
+    never exceeds its optimum, and is infinite where the devices cannot hold the model."""
+    tables = Tables(models.get(name), Cluster.load("examples/clusters/mixed-v100-t4.json"))
+    for props in sizings(tables, dp=dp, micro_batch=1, num_micro_batches=64 // dp, sequence_parallel=True,
+                         kinds=pool_kinds(tables, dp, [1, 2, 4, 8]), zeros=zeros, modes=["none", "full"],
+                         max_stages=32, use_all_gpus=False, alternatives=1, det_time_limit=1.0, seed=0,
+                         stats=PlacementStats()):
+        assert props.first() == fits
+        if fits:
+            assert 0 < props.floor_s <= props.estimate_s
+        else:
+            assert props.floor_s == float("inf") and props.estimate_s is None
 
 
 def test_placement_can_be_forced_to_use_every_gpu():
