@@ -79,6 +79,11 @@ def search(model: ModelSpec, cluster: Cluster, global_batch: int, **constraints)
         return _Search(model, cluster, global_batch, c).run()
 
 
+def _refinable(st: Setting, pp: int) -> bool:
+    """Whether splits of this shape are refined by local search (short simulated programs)."""
+    return simulated(st, pp) and program_actions(st, pp) <= REFINE_ACTIONS
+
+
 GC_ALLOCATIONS = 100_000
 """Allocations between the garbage collector's young-generation passes during a search
 (CPython's default is 700)."""
@@ -813,7 +818,7 @@ class _Search:
                 split, analysis = best
                 cand = Candidate(sk, st, split.bounds, split.recompute, analysis)
                 item = (-analysis.time_s, -(cnt * 4 + zi), cand)
-                if not self.restricted and simulated(st, sk.pp) and program_actions(st, sk.pp) <= REFINE_ACTIONS:
+                if not self.restricted and _refinable(st, sk.pp):
                     unrefined.append(item)
                 if len(shortlist) < keep:
                     heapq.heappush(shortlist, item)
@@ -909,8 +914,7 @@ class _Search:
         leanest split beats it: so a bound on such splits that cannot beat the shortlist
         leaves only those two to try. Not where the refinement may run (short simulated
         programs): it starts from whichever split was found."""
-        return st.virtual_stages > 1 and not self.restricted \
-            and not (simulated(st, sk.pp) and program_actions(st, sk.pp) <= REFINE_ACTIONS)
+        return st.virtual_stages > 1 and not self.restricted and not _refinable(st, sk.pp)
 
     def _split_modes(self, sk: Skeleton, st: Setting, limit: float, threshold: float, modes: tuple[str, ...],
                      dp_beaten: bool = False):
@@ -991,8 +995,7 @@ class _Search:
                         break
         # (An unrestricted search refines once its loop is done, against the final
         # shortlist: see _refine_late.)
-        if best is not None and sim and program_actions(st, sk.pp) <= REFINE_ACTIONS \
-                and self.refine_left > 0 and best[1].time_s < REFINE_WINDOW * threshold and self.restricted:
+        if best is not None and _refinable(st, sk.pp) and self.refine_left > 0 and best[1].time_s < REFINE_WINDOW * threshold and self.restricted:
             best = self._refine(sk, st, *best, modes=modes, known=known)
         return best
 

@@ -241,23 +241,21 @@ class Splitter:
     def _fits(self, sk: Skeleton, st: Setting, modes: tuple[str, ...], split: Split, joint: bool) -> bool:
         """Whether every stage of ``split`` (fastest mode) fits the budget the DP gives it."""
         P, v = sk.pp, st.virtual_stages
-        qs = [RECOMPUTES.index(x) for x in modes]
-        q = qs[0]
-        fl = inflight(st.schedule, P, st.num_micro_batches, v)
-        counts = fl.joint if joint else fl.per_chunk
-        shares = self._chunk_shares(sk, st, counts)
+        q = RECOMPUTES.index(modes[0])
+        if v == 1:
+            counts = inflight(st.schedule, P, st.num_micro_batches, v).per_chunk
+        else:
+            counts, budgets = self.chunk_budgets(sk, st, modes, joint)
         for j, (a, e) in enumerate(split.bounds):
             g, chunk = j % P, j // P
-            pool = sk.kinds[g].pool
-            cap = self.tables.capacity(pool) - self.tables.fixed_bytes(pool, sk.groups[g], P, sk.ep)
             if v == 1:
-                budget = cap
+                pool = sk.kinds[g].pool
+                budget = self.tables.capacity(pool) - self.tables.fixed_bytes(pool, sk.groups[g], P, sk.ep)
                 base, act = self._mem_mats(sk, g, st)
                 if self._step_mats(sk, g, st)[q][a, e] > budget:
                     return False
             else:
-                budget = (cap - self.tables.dynamic_factor * self._transient_reserve(sk, g, st, qs)) \
-                    * shares[g][chunk]
+                budget = budgets[g][chunk]
                 base, act = self._states_mats(sk, g, st)
             if base[q][a, e] + counts[g][chunk] * act[q][a, e] > budget:
                 return False
@@ -659,17 +657,12 @@ class Splitter:
             e = s + chunk_units[j] + (lead if j == 0 else 0) + (tail if j == S - 1 else 0)
             bounds.append((s, e))
             s = e
-        fl = inflight(st.schedule, P, st.num_micro_batches, v)
-        shares = self._chunk_shares(sk, st, fl.joint)
+        held, budgets = self.chunk_budgets(sk, st, modes, joint=True)
         rec, period, total = [], 0.0, 0.0
         for j, (a, b) in enumerate(bounds):
             g, chunk = j % P, j // P
-            cap = self.tables.capacity(sk.kinds[g].pool) \
-                - self.tables.fixed_bytes(sk.kinds[g].pool, sk.groups[g], P, sk.ep)
-            budget = (cap - self.tables.dynamic_factor * self._transient_reserve(sk, g, st, qs)) \
-                * shares[g][chunk]
             base, act = self._states_mats(sk, g, st)
-            ok = [q for q in qs if base[q][a, b] + fl.joint[g][chunk] * act[q][a, b] <= budget]
+            ok = [q for q in qs if base[q][a, b] + held[g][chunk] * act[q][a, b] <= budgets[g][chunk]]
             if not ok:
                 return None
             cost = float(self._time_mats(sk, g, st)[ok[0]][a, b])
