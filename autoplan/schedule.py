@@ -13,6 +13,7 @@ simulates exactly this program, and the runtime hands the same per-rank lists to
 from __future__ import annotations
 
 from dataclasses import dataclass
+from collections import deque
 from functools import cached_property, lru_cache
 from typing import Iterator, NamedTuple
 
@@ -243,43 +244,45 @@ def _zero_bubble(p: int, m: int) -> list[list[Action]]:
     free communication), which makes it a static program the runtime can execute. A
     rank never holds more micro-batches than under 1F1B (p - g), so activation memory
     stays that of 1F1B, as in the paper."""
-    orders = [[a if a.kind == "F" else Action(a.stage, "I", a.micro_batch)
-               for a in _one_f_one_b(g, p, m)] for g in range(p)]
-    done: dict[Action, int] = {}
+    # Finish steps per (rank, micro-batch), indexed by integers: the search lowers programs
+    # of tens of thousands of actions (p = 16, m = 768), where hashing one Action per
+    # dependency check cost more than the estimate that used the program.
+    never = 1 << 62
+    f_done = [[never] * m for _ in range(p)]
+    i_done = [[never] * m for _ in range(p)] + [[0] * m]   # (a row past the last stage: no I to wait for)
+    orders = [[(a.kind == "F", a.micro_batch) for a in _one_f_one_b(g, p, m)] for g in range(p)]
     pos = [0] * p
-    pending: list[list[int]] = [[] for _ in range(p)]
+    pending: list[deque[int]] = [deque() for _ in range(p)]
     in_flight = [0] * p      # forwards whose W has not run: their activations are live
     out: list[list[Action]] = [[] for _ in range(p)]
+    left = sum(len(o) for o in orders) + p * m   # (every F and I, then every W)
     t = 0
-    while any(pos[g] < len(orders[g]) or pending[g] for g in range(p)):
+    while left:
         for g in range(p):
-            nxt = orders[g][pos[g]] if pos[g] < len(orders[g]) else None
-            ready = nxt is not None and all(done.get(d, 1 << 30) <= t for d in _zb_deps(nxt, p))
-            # 1F1B's memory bound: at most p - g micro-batches alive on rank g.
-            if ready and nxt.kind == "F" and in_flight[g] >= p - g:
-                ready = False
-            if ready:
-                act = nxt
-                pos[g] += 1
-                if act.kind == "I":
-                    pending[g].append(act.micro_batch)
+            order = orders[g]
+            ready = False
+            if pos[g] < len(order):
+                forward, mb = order[pos[g]]
+                if forward:
+                    # 1F1B's memory bound: at most p - g micro-batches alive on rank g.
+                    ready = (g == 0 or f_done[g - 1][mb] <= t) and in_flight[g] < p - g
                 else:
+                    ready = f_done[g][mb] <= t and i_done[g + 1][mb] <= t
+            if ready:
+                pos[g] += 1
+                if forward:
                     in_flight[g] += 1
+                    f_done[g][mb] = t + 1
+                    out[g].append(Action(g, "F", mb))
+                else:
+                    pending[g].append(mb)
+                    i_done[g][mb] = t + 1
+                    out[g].append(Action(g, "I", mb))
             elif pending[g]:
-                act = Action(g, "W", pending[g].pop(0))
                 in_flight[g] -= 1
+                out[g].append(Action(g, "W", pending[g].popleft()))
             else:
                 continue
-            out[g].append(act)
-            done[act] = t + 1
+            left -= 1
         t += 1
     return out
-
-
-def _zb_deps(a: Action, p: int) -> list[Action]:
-    if a.kind == "F":
-        return [Action(a.stage - 1, "F", a.micro_batch)] if a.stage > 0 else []
-    deps = [Action(a.stage, "F", a.micro_batch)]
-    if a.stage < p - 1:
-        deps.append(Action(a.stage + 1, "I", a.micro_batch))
-    return deps

@@ -51,3 +51,56 @@ def test_interleaved_needs_micro_batches_multiple_of_pp():
 
 def test_action_str():
     assert str(Action(3, "W", 12)) == "3W12"
+
+
+def _zero_bubble_reference(p, m):
+    """ZB-H1's list schedule with unit action times, written plainly (actions as dictionary
+    keys, every step re-scanning what is done): the oracle for the indexed implementation."""
+    from autoplan.schedule import _one_f_one_b
+    orders = [[a if a.kind == "F" else Action(a.stage, "I", a.micro_batch) for a in _one_f_one_b(g, p, m)]
+              for g in range(p)]
+    done, out, t = {}, [[] for _ in range(p)], 0
+    pending, alive = [[] for _ in range(p)], [0] * p
+    while any(orders[g] or pending[g] for g in range(p)):
+        for g in range(p):
+            nxt = orders[g][0] if orders[g] else None
+            deps = [] if nxt is None else (
+                [Action(g - 1, "F", nxt.micro_batch)] if nxt.kind == "F" and g > 0 else
+                [] if nxt.kind == "F" else
+                [Action(g, "F", nxt.micro_batch)] + ([Action(g + 1, "I", nxt.micro_batch)] if g < p - 1 else []))
+            ready = nxt is not None and all(done.get(d, t + 1) <= t for d in deps) \
+                and not (nxt.kind == "F" and alive[g] >= p - g)
+            if ready:
+                act = orders[g].pop(0)
+                if act.kind == "F":
+                    alive[g] += 1
+                else:
+                    pending[g].append(act.micro_batch)
+            elif pending[g]:
+                act = Action(g, "W", pending[g].pop(0))
+                alive[g] -= 1
+            else:
+                continue
+            out[g].append(act)
+            done[act] = t + 1
+        t += 1
+    return out
+
+
+ZB_CASES = [(1, 1), (1, 5), (2, 1), (2, 2), (3, 7), (4, 4), (4, 8), (5, 3), (8, 24), (13, 40), (16, 17)]
+
+
+@pytest.mark.parametrize("p,m", ZB_CASES, ids=[f"p{p}-m{m}" for p, m in ZB_CASES])
+def test_zero_bubble_program_is_the_unit_time_list_schedule(p, m):
+    from autoplan.schedule import _one_f_one_b, _zero_bubble
+    got = _zero_bubble(p, m)
+    assert got == _zero_bubble_reference(p, m)
+    for g, actions in enumerate(got):
+        # F and I keep 1F1B's order, and no rank holds more than 1F1B's p - g micro-batches.
+        one_f_one_b = [(a.kind.replace("B", "I"), a.micro_batch) for a in _one_f_one_b(g, p, m)]
+        assert [(a.kind, a.micro_batch) for a in actions if a.kind != "W"] == one_f_one_b
+        alive = peak = 0
+        for a in actions:
+            alive += {"F": 1, "I": 0, "W": -1}[a.kind]
+            peak = max(peak, alive)
+        assert peak <= p - g
