@@ -102,16 +102,21 @@ def simulate(program: ScheduleProgram, costs: list[StageCosts], optimizer: list[
     events: list[Event] = []
     total = compiled.size
     done = 0
-    # Per-stage lookups, hoisted out of the hot loop.
-    dur = {k: [getattr(c, f) for c in costs] for k, f in
-           (("F", "forward"), ("B", "backward"), ("I", "backward_input"), ("W", "backward_weight"))}
-    comm = {"F": [c.tp_comm_forward for c in costs], "B": [c.tp_comm_backward for c in costs],
-            "I": [c.tp_comm_backward for c in costs], "W": [0.0] * len(costs)}
-    ep = {"F": [c.ep_comm_forward for c in costs], "B": [c.ep_comm_backward for c in costs],
-          "I": [c.ep_comm_backward for c in costs], "W": [0.0] * len(costs)}
+    # Per (kind, stage): (duration, TP communication in it, EP communication in it, change of
+    # the live activation bytes), one lookup per action in the hot loop below.
+    zeros = [0.0] * len(costs)
+    per_kind = {
+        "F": zip([c.forward for c in costs], [c.tp_comm_forward for c in costs], [c.ep_comm_forward for c in costs],
+                 [c.activation_bytes for c in costs]),
+        "B": zip([c.backward for c in costs], [c.tp_comm_backward for c in costs],
+                 [c.ep_comm_backward for c in costs], [-c.activation_bytes for c in costs]),
+        "I": zip([c.backward_input for c in costs], [c.tp_comm_backward for c in costs],
+                 [c.ep_comm_backward for c in costs], zeros),
+        "W": zip([c.backward_weight for c in costs], zeros, zeros, [-c.activation_bytes for c in costs]),
+    }
+    cost_of = {k: list(v) for k, v in per_kind.items()}
     send_f = [c.send_forward for c in costs]
     send_b = [c.send_backward for c in costs]
-    act_bytes = [c.activation_bytes for c in costs]
     actions_of = program.ranks
 
     while done < total:
@@ -119,10 +124,15 @@ def simulate(program: ScheduleProgram, costs: list[StageCosts], optimizer: list[
         for g in range(P):
             actions = compiled.ranks[g]
             n_actions = len(actions)
-            while ptr[g] < n_actions:
-                i = ptr[g]
+            i = ptr[g]
+            if i >= n_actions:
+                continue
+            # (The rank's running figures in locals while it advances, written back after.)
+            free_g, busy_g, tp_g, ep_g, live_g, peak_g = free[g], busy[g], tp_comm[g], ep_comm[g], live[g], peak[g]
+            start_i = i
+            while i < n_actions:
                 idx, s, kind, direction, deps = actions[i]
-                ready = free[g]
+                ready = free_g
                 blocked = False
                 for d, crosses, d_stage in deps:
                     t = finish[d]
@@ -135,25 +145,27 @@ def simulate(program: ScheduleProgram, costs: list[StageCosts], optimizer: list[
                         ready = t
                 if blocked:
                     break
-                d_ = dur[kind][s]
+                d_, tp_, ep_, live_ = cost_of[kind][s]
                 end = ready + d_
-                started[idx], finish[idx] = ready, end
-                free[g] = end
+                started[idx] = ready
+                finish[idx] = end
+                free_g = end
                 if blocking_p2p and direction:
-                    free[g] += send_f[s] if direction == 1 else send_b[s]
-                busy[g] += d_
-                tp_comm[g] += comm[kind][s]
-                ep_comm[g] += ep[kind][s]
-                if kind == "F":
-                    live[g] += act_bytes[s]
-                    if live[g] > peak[g]:
-                        peak[g] = live[g]
-                elif kind == "B" or kind == "W":
-                    live[g] -= act_bytes[s]
+                    free_g += send_f[s] if direction == 1 else send_b[s]
+                busy_g += d_
+                tp_g += tp_
+                ep_g += ep_
+                if live_:
+                    live_g += live_
+                    if live_g > peak_g:
+                        peak_g = live_g
                 if timeline:
                     events.append(Event(g, kind, s, actions_of[g][i].micro_batch, ready, end))
-                ptr[g] = i + 1
-                done += 1
+                i += 1
+            if i > start_i:
+                free[g], busy[g], tp_comm[g], ep_comm[g], live[g], peak[g] = free_g, busy_g, tp_g, ep_g, live_g, peak_g
+                done += i - start_i
+                ptr[g] = i
                 progressed = True
         if not progressed:
             raise RuntimeError("schedule program deadlocks: an action waits on one that never runs")
