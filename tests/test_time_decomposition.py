@@ -20,7 +20,7 @@ from costmodel.efficiency import default_efficiency
     ("flash3", 4, 1),
 ], ids=["explicit-attention", "flash2-tp2-mb2", "flash3-tp4"])
 def test_compute_split_adds_up_to_the_roofline(attention, tp, micro_batch):
-    model = autoplan.models.transformer(layers=2, hidden=256, heads=4, seq_len=128, vocab=512,
+    model = autoplan.models.transformer(layers=1, hidden=128, heads=2, seq_len=64, vocab=256,
                                         attention="math" if attention == "math" else "flash")
     device = get_device("H100")
     split = compute_split(device, model.layers, micro_batch, tp, False, attention)
