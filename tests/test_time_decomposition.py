@@ -1,0 +1,49 @@
+"""The time-decomposition diagnostic: its compute split adds up to the roofline the cost
+model uses, and the factor it reports for a part does remove a source's mean error."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+import autoplan
+from autoplan.catalog import get_device
+from benchmarks.published.decompose import closing_factor, compute_split
+from costmodel.compute import roofline_timing
+from costmodel.efficiency import default_efficiency
+
+
+@pytest.mark.parametrize("attention,tp,micro_batch", [
+    ("math", 1, 1),
+    ("flash2", 2, 2),
+    ("flash3", 4, 1),
+], ids=["explicit-attention", "flash2-tp2-mb2", "flash3-tp4"])
+def test_compute_split_adds_up_to_the_roofline(attention, tp, micro_batch):
+    model = autoplan.models.transformer(layers=1, hidden=128, heads=2, seq_len=64, vocab=256,
+                                        attention="math" if attention == "math" else "flash")
+    device = get_device("H100")
+    split = compute_split(device, model.layers, micro_batch, tp, False, attention)
+    roofline = sum(t.forward + t.backward for t in (
+        roofline_timing(device, default_efficiency(device.name), l, micro_batch, tp, False, "bf16", attention)
+        for l in model.layers))
+    assert all(v >= 0 for v in split.values())
+    assert sum(split.values()) == pytest.approx(roofline, rel=1e-9)
+
+
+MEASURED = np.array([12.0, 22.0, 33.0])
+PREDICTED = np.array([10.0, 20.0, 30.0])
+
+
+@pytest.mark.parametrize("part,expected", [
+    (np.array([2.0, 2.0, 3.0]), 2.0),          # measured = predicted + part: the part doubled
+    (np.array([0.0, 0.0, 0.0]), math.nan),     # a part the source does not have cannot explain it
+    (np.array([1e-6, 1e-6, 1e-6]), math.nan),  # nor one too small for any factor in range
+], ids=["part-doubled", "absent-part", "negligible-part"])
+def test_closing_factor(part, expected):
+    f = closing_factor(MEASURED, PREDICTED, part)
+    if math.isnan(expected):
+        assert math.isnan(f)
+    else:
+        assert f == pytest.approx(expected, rel=1e-6)
+        assert np.mean(MEASURED / (PREDICTED + (f - 1) * part) - 1) == pytest.approx(0.0, abs=1e-9)
