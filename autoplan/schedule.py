@@ -12,8 +12,8 @@ simulates exactly this program, and the runtime hands the same per-rank lists to
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from collections import deque
+from dataclasses import dataclass
 from functools import cached_property, lru_cache
 from typing import Iterator, NamedTuple
 

@@ -105,16 +105,15 @@ def simulate(program: ScheduleProgram, costs: list[StageCosts], optimizer: list[
     # Per (kind, stage): (duration, TP communication in it, EP communication in it, change of
     # the live activation bytes), one lookup per action in the hot loop below.
     zeros = [0.0] * len(costs)
-    per_kind = {
-        "F": zip([c.forward for c in costs], [c.tp_comm_forward for c in costs], [c.ep_comm_forward for c in costs],
-                 [c.activation_bytes for c in costs]),
-        "B": zip([c.backward for c in costs], [c.tp_comm_backward for c in costs],
-                 [c.ep_comm_backward for c in costs], [-c.activation_bytes for c in costs]),
-        "I": zip([c.backward_input for c in costs], [c.tp_comm_backward for c in costs],
-                 [c.ep_comm_backward for c in costs], zeros),
-        "W": zip([c.backward_weight for c in costs], zeros, zeros, [-c.activation_bytes for c in costs]),
+    cost_of = {
+        "F": list(zip([c.forward for c in costs], [c.tp_comm_forward for c in costs],
+                      [c.ep_comm_forward for c in costs], [c.activation_bytes for c in costs])),
+        "B": list(zip([c.backward for c in costs], [c.tp_comm_backward for c in costs],
+                      [c.ep_comm_backward for c in costs], [-c.activation_bytes for c in costs])),
+        "I": list(zip([c.backward_input for c in costs], [c.tp_comm_backward for c in costs],
+                      [c.ep_comm_backward for c in costs], zeros)),
+        "W": list(zip([c.backward_weight for c in costs], zeros, zeros, [-c.activation_bytes for c in costs])),
     }
-    cost_of = {k: list(v) for k, v in per_kind.items()}
     send_f = [c.send_forward for c in costs]
     send_b = [c.send_backward for c in costs]
     actions_of = program.ranks
