@@ -147,7 +147,30 @@ def write_markdown(rows: list[dict], path: Path, model: str, global_batch: int, 
                      f"| {_fmt(ratio, 1)}x | {_fmt(old.get('wall_s', float('nan')))} | {_fmt(new['wall_s'])} | {plan} "
                      f"| {_fmt(old.get('iteration_s', float('nan')), 3)} | {_fmt(new.get('iteration_s', float('nan')), 3)} "
                      f"| {new.get('candidates', 0):,} | {new.get('splits', 0):,} |")
+    lines += phase_table(rows)
     path.write_text("\n".join(lines) + "\n")
+
+
+PHASES = ("placement", "bounds", "split", "estimate")
+"""The search's phases (``SearchStats.phase_s``), in the order they run."""
+
+
+def phase_table(rows: list[dict]) -> list[str]:
+    """Markdown lines: this version's wall seconds per search phase, for the rows that
+    found a plan (what a speed-up has to attack)."""
+    timed = [r for r in rows if (r["now"].get("phases") or {})]
+    if not timed:
+        return []
+    lines = ["", "Where this version's time goes (wall seconds per phase of the search, "
+             "`SearchStats.phase_s`; *other* is what no phase covers, the search's setup):", "",
+             "| cluster | GPUs | " + " | ".join(PHASES) + " | other |",
+             "|---|---:|" + "---:|" * (len(PHASES) + 1)]
+    for r in timed:
+        ph = r["now"]["phases"]
+        other = r["now"]["wall_s"] - sum(ph.get(k, 0.0) for k in PHASES)
+        lines.append(f"| {r['series']} | {r['gpus']:,} | " + " | ".join(_fmt(ph.get(k, float('nan'))) for k in PHASES)
+                     + f" | {_fmt(max(other, 0.0))} |")
+    return lines
 
 
 def write_plot(rows: list[dict], path: Path, model: str, baseline: str) -> None:
