@@ -83,6 +83,25 @@ def _gemms_time(device, eff, gemms: tuple[Gemm, ...], micro_batch: int, tp: int,
     return total
 
 
+def _roofline_terms(device: DeviceSpec, eff: Efficiency, layer: LayerSpec, micro_batch: int, tp: int,
+                    sequence_parallel: bool, dtype: str, attention: str, ep: int, load: float) -> tuple[float, ...]:
+    """Seconds of one layer's roofline by kind of work: (GEMMs forward, weight-gradient GEMMs,
+    input-gradient GEMMs, fused attention forward, backward, bandwidth-bound kernels forward,
+    backward, launches forward, backward)."""
+    b, sp = micro_batch, sequence_parallel
+    peak = device.peak(dtype)
+    causal = (0.5 if layer.causal else 1.0) * layer.attention_fraction
+    bw = device.memory_bandwidth * eff.memory
+    att_fwd, att_bwd = eff.attention(attention)
+    return (_gemms_time(device, eff, layer.gemms_fwd, b, tp, dtype, ep=ep, load=load),
+            _gemms_time(device, eff, layer.gemms_bwd, b, tp, dtype, lambda g: g.batch_dim == "k", ep, load),
+            _gemms_time(device, eff, layer.gemms_bwd, b, tp, dtype, lambda g: g.batch_dim != "k", ep, load),
+            layer.attention_flops_fwd.at(tp) * b * causal / (peak * att_fwd),
+            layer.attention_flops_bwd.at(tp) * b * causal / (peak * att_bwd),
+            layer.memory_bytes_fwd.at(tp, sp) * b / bw, layer.memory_bytes_bwd.at(tp, sp) * b / bw,
+            layer.kernels_fwd * eff.launch_s, layer.kernels_bwd * eff.launch_s)
+
+
 @lru_cache(maxsize=65536)
 def roofline_timing(device: DeviceSpec, eff: Efficiency, layer: LayerSpec, micro_batch: int, tp: int,
                     sequence_parallel: bool, dtype: str, attention: str = "flash2", ep: int = 1,
@@ -90,23 +109,26 @@ def roofline_timing(device: DeviceSpec, eff: Efficiency, layer: LayerSpec, micro
     """Roofline estimate of one layer (cached: the search asks for the same layer often).
     ``attention`` is the fused attention kernel class of the training stack; ``ep`` and
     ``load`` shape a mixture-of-experts unit's expert GEMMs (see ``Gemm.shape``)."""
-    b, sp = micro_batch, sequence_parallel
-    gemms = lambda gs, select=lambda g: True: _gemms_time(device, eff, gs, b, tp, dtype, select, ep, load)  # noqa: E731
-    peak = device.peak(dtype)
-    causal = (0.5 if layer.causal else 1.0) * layer.attention_fraction
+    gemm_f, weight, data, attn_f, attn_b, mem_f, mem_b, launch_f, launch_b = _roofline_terms(
+        device, eff, layer, micro_batch, tp, sequence_parallel, dtype, attention, ep, load)
+    fwd = gemm_f + attn_f + mem_f + launch_f
+    other = attn_b + mem_b + launch_b
     bw = device.memory_bandwidth * eff.memory
-    att_fwd, att_bwd = eff.attention(attention)
-    attn_f = layer.attention_flops_fwd.at(tp) * b * causal / (peak * att_fwd)
-    attn_b = layer.attention_flops_bwd.at(tp) * b * causal / (peak * att_bwd)
-    fwd = (gemms(layer.gemms_fwd) + attn_f
-           + layer.memory_bytes_fwd.at(tp, sp) * b / bw + layer.kernels_fwd * eff.launch_s)
-    weight = gemms(layer.gemms_bwd, lambda g: g.batch_dim == "k")
-    data = gemms(layer.gemms_bwd, lambda g: g.batch_dim != "k")
-    other = attn_b + layer.memory_bytes_bwd.at(tp, sp) * b / bw + layer.kernels_bwd * eff.launch_s
-    core = (_gemms_time(device, eff, layer.gemms_fwd, b, tp, dtype, lambda g: g.in_core) + attn_f
-            + layer.core_memory_bytes_fwd.at(tp, sp) * b / bw)
+    core = (_gemms_time(device, eff, layer.gemms_fwd, micro_batch, tp, dtype, lambda g: g.in_core) + attn_f
+            + layer.core_memory_bytes_fwd.at(tp, sequence_parallel) * micro_batch / bw)
     return LayerTiming(forward=fwd, backward=weight + data + other, backward_input=data + other,
                        backward_weight=weight, recompute_selective=core, source="roofline")
+
+
+def roofline_parts(device: DeviceSpec, eff: Efficiency, layer: LayerSpec, micro_batch: int, tp: int,
+                   sequence_parallel: bool, dtype: str, attention: str = "flash2") -> dict[str, float]:
+    """Seconds of one forward and backward of ``layer`` under :func:`roofline_timing`, by kind
+    of work: 'gemm', 'attention' (fused attention FLOPs), 'bandwidth' (bandwidth-bound
+    kernels) and 'launch'; they add up to its forward + backward."""
+    gemm_f, weight, data, attn_f, attn_b, mem_f, mem_b, launch_f, launch_b = _roofline_terms(
+        device, eff, layer, micro_batch, tp, sequence_parallel, dtype, attention, 1, 1.0)
+    return {"gemm": gemm_f + weight + data, "attention": attn_f + attn_b, "bandwidth": mem_f + mem_b,
+            "launch": launch_f + launch_b}
 
 
 def layer_timing(device: DeviceSpec, layer: LayerSpec, micro_batch: int, tp: int, sequence_parallel: bool,

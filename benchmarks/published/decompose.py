@@ -43,7 +43,7 @@ from autoplan.catalog import get_device  # noqa: E402
 from autoplan.stacks import get_stack  # noqa: E402
 from benchmarks.published import tables, validate  # noqa: E402
 from costmodel import estimate  # noqa: E402
-from costmodel.compute import gemm_time  # noqa: E402
+from costmodel.compute import roofline_parts  # noqa: E402
 from costmodel.efficiency import default_efficiency  # noqa: E402
 
 OUT = ROOT / "benchmarks" / "results" / "time_decomposition.md"
@@ -64,19 +64,11 @@ def compute_split(device, layers, micro_batch: int, tp: int, sequence_parallel: 
                   dtype: str = "bf16") -> dict[str, float]:
     """Roofline seconds of one forward and backward of ``layers`` by kind (no recompute)."""
     eff = default_efficiency(device.name)
-    peak = device.peak(dtype)
-    bw = device.memory_bandwidth * eff.memory
-    att_f, att_b = eff.attention(attention)
     out = dict.fromkeys(COMPUTE_KINDS, 0.0)
     for layer in layers:
-        for g in (*layer.gemms_fwd, *layer.gemms_bwd):
-            out["gemm"] += gemm_time(device, eff, *g.shape(micro_batch, tp), dtype)
-        causal = (0.5 if layer.causal else 1.0) * layer.attention_fraction * micro_batch / peak
-        out["attention"] += causal * (layer.attention_flops_fwd.at(tp) / att_f
-                                      + layer.attention_flops_bwd.at(tp) / att_b)
-        out["bandwidth"] += (layer.memory_bytes_fwd.at(tp, sequence_parallel)
-                             + layer.memory_bytes_bwd.at(tp, sequence_parallel)) * micro_batch / bw
-        out["launch"] += (layer.kernels_fwd + layer.kernels_bwd) * eff.launch_s
+        for kind, seconds in roofline_parts(device, eff, layer, micro_batch, tp, sequence_parallel, dtype,
+                                            attention).items():
+            out[kind] += seconds
     return out
 
 
