@@ -38,7 +38,6 @@ from scipy.stats import spearmanr
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-import autoplan  # noqa: E402
 from autoplan.catalog import get_device  # noqa: E402
 from autoplan.stacks import get_stack  # noqa: E402
 from benchmarks.published import tables, validate  # noqa: E402
@@ -99,12 +98,8 @@ def public_rows() -> list[dict]:
     a100 = get_device("A100-SXM4-80GB")   # the cluster validate.estimate_row builds
     for row in validate.narayanan_rows() + validate.korthikanti_rows():
         est, _, _ = validate.estimate_row(row)
-        stack = get_stack(row.stack)
-        model = autoplan.models.transformer(layers=row.layers, hidden=row.hidden, heads=row.heads,
-                                            seq_len=row.seq_len, vocab=row.vocab, attention=stack.spec_attention,
-                                            fused_norm=stack.fused_norm, dropout=validate.MEGATRON_DROPOUT,
-                                            name=row.model)
-        out.append(_record(row.source, row.model, row.measured_time_s, est, model, a100, stack.attention))
+        out.append(_record(row.source, row.model, row.measured_time_s, est, validate.row_model(row), a100,
+                           get_stack(row.stack).attention))
     for r in tables.build():
         if (not isinstance(r, tables.PublishedRow) or r.recompute_bracket or r.status != "ok"
                 or r.source in SKIPPED_SOURCES):

@@ -116,13 +116,19 @@ def korthikanti_rows() -> list[Row]:
     return rows
 
 
+def row_model(row: Row):
+    """The model of a published Megatron-LM row, as its stack runs it."""
+    stack = get_stack(row.stack)
+    return autoplan.models.transformer(layers=row.layers, hidden=row.hidden, heads=row.heads, seq_len=row.seq_len,
+                                       vocab=row.vocab, attention=stack.spec_attention, fused_norm=stack.fused_norm,
+                                       dropout=MEGATRON_DROPOUT, name=row.model)
+
+
 def estimate_row(row: Row):
     """The estimate of a published row; where the source leaves micro-batch or interleaving
     open, the fastest fitting choice among Megatron's options (said in the report)."""
     stack = get_stack(row.stack)
-    model = autoplan.models.transformer(layers=row.layers, hidden=row.hidden, heads=row.heads, seq_len=row.seq_len,
-                                        vocab=row.vocab, attention=stack.spec_attention, fused_norm=stack.fused_norm,
-                                        dropout=MEGATRON_DROPOUT, name=row.model)
+    model = row_model(row)
     cluster = autoplan.Cluster.homogeneous("A100-SXM4-80GB", nodes=max(1, row.gpus // 8),
                                            gpus_per_node=min(8, row.gpus), inter_node_GBps=INTER_NODE_GBPS)
     choices = []
