@@ -168,8 +168,8 @@ def phase_table(rows: list[dict]) -> list[str]:
     for r in timed:
         ph = r["now"]["phases"]
         other = r["now"]["wall_s"] - sum(ph.get(k, 0.0) for k in PHASES)
-        lines.append(f"| {r['series']} | {r['gpus']:,} | " + " | ".join(_fmt(ph.get(k, float('nan'))) for k in PHASES)
-                     + f" | {_fmt(max(other, 0.0))} |")
+        cells = [_fmt(ph.get(k, float("nan"))) for k in PHASES] + [_fmt(max(other, 0.0))]
+        lines.append(f"| {r['series']} | {r['gpus']:,} | " + " | ".join(cells) + " |")
     return lines
 
 

@@ -995,7 +995,8 @@ class _Search:
                         break
         # (An unrestricted search refines once its loop is done, against the final
         # shortlist: see _refine_late.)
-        if best is not None and _refinable(st, sk.pp) and self.refine_left > 0 and best[1].time_s < REFINE_WINDOW * threshold and self.restricted:
+        if (self.restricted and best is not None and _refinable(st, sk.pp) and self.refine_left > 0
+                and best[1].time_s < REFINE_WINDOW * threshold):
             best = self._refine(sk, st, *best, modes=modes, known=known)
         return best
 
