@@ -535,6 +535,25 @@ class _Search:
                 return True
         return False
 
+    def _covering_zeros(self, sk: Skeleton, st: Setting, zeros: tuple[int, ...]) -> tuple[int | None, ...]:
+        """``zeros`` with each ZeRO stage under which the groups of ``sk`` cannot hold the
+        model (:meth:`runs_cover`) replaced by None. From stage 0 to 2 every byte runs_cover
+        counts only shrinks (each stage shards one more part of the states over the same
+        ranks; nothing else it counts depends on the stage), so the stages below 3 that
+        cover are those from the least that does, found by bisection; ZeRO-3 adds the
+        gathered working set and is checked on its own."""
+        low = sorted(z for z in zeros if z < 3)
+        lo, hi = 0, len(low)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if self.runs_cover(sk, _with_zero(st, low[mid])):
+                hi = mid
+            else:
+                lo = mid + 1
+        ok = set(low[lo:])
+        ok.update(z for z in zeros if z >= 3 and self.runs_cover(sk, _with_zero(st, z)))
+        return tuple(z if z in ok else None for z in zeros)
+
     def _stage_need(self, sk: Skeleton, g: int, st: Setting, count: int, start: int) -> np.ndarray:
         """need[d]: bytes per GPU of stage [start, start + d + 1) on group g of ``sk`` holding
         ``count`` micro-batches in flight, in the leanest recompute mode allowed (the DP's
@@ -753,8 +772,7 @@ class _Search:
                 # Before any DP on a mixed pipeline: drop the ZeRO stages under which its
                 # groups cannot hold the model.
                 # (Dropped stages leave a None, so the others keep their tie-breaking order.)
-                covered = tuple(z if z is not None and self.runs_cover(sk, _with_zero(st0, z)) else None
-                                for z in zeros)
+                covered = self._covering_zeros(sk, st0, zeros)
                 dropped = sum(z is None for z in covered)
                 if dropped:
                     stats.pruned_memory_bound += dropped

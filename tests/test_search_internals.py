@@ -576,6 +576,33 @@ def test_mixed_memory_prune_never_drops_a_split_that_fits(big, small):
     assert pruned > 0 and kept > 0, "the case must exercise both outcomes"
 
 
+COVER_MEMORY = {"roomy": (6.0, 4.0), "tight": (2.4, 1.6), "lopsided": (4.0, 1.2), "scarce": (1.6, 1.0)}
+
+
+def test_zero_stages_that_cover_are_found_by_bisection():
+    """_covering_zeros() asks runs_cover() about fewer ZeRO stages than there are, trusting
+    that from stage 0 to 2 a stage that covers leaves every higher one covering: the
+    answer equals asking about each stage, and the trust holds on clusters from roomy to
+    scarce (with data parallelism, so the stages really shard)."""
+    from search.core import _Search
+    from search.space import Constraints
+    partial = 0
+    for name, (big, small) in COVER_MEMORY.items():
+        s = _Search(GPT, _toy_mixed(big, small), 12, Constraints.build(progress=False))
+        s.modes = ("none", "full")
+        sk = Skeleton(groups=(DeviceGroup(ranks=(0, 1), tp=1), DeviceGroup(ranks=(4, 5), tp=1)),
+                      kinds=(Kind(0, 1), Kind(1, 1)))
+        for b, (sched, v) in itertools.product((1, 3), (("1f1b", 1), ("gpipe", 1), ("interleaved-1f1b", 2))):
+            st = Setting(b, 6 // b, sched, v, 0, False)
+            each = {z: s.runs_cover(sk, replace(st, zero=z)) for z in (0, 1, 2, 3)}
+            assert [each[z] for z in (0, 1, 2)] == sorted(each[z] for z in (0, 1, 2)), (name, st, each)
+            partial += len({each[0], each[2]}) > 1
+            for zeros in ((0, 1, 2, 3), (0, 1, 2), (1, 2), (2,), (0, 3), (3,)):
+                expected = tuple(z if each[z] else None for z in zeros)
+                assert s._covering_zeros(sk, st, zeros) == expected, (name, st, zeros)
+    assert partial > 0, "some case must cover under a higher ZeRO stage only"
+
+
 def test_setting_replace_keeps_other_fields():
     st = Setting(1, 8, "1f1b", 1, 0, False)
     assert replace(st, zero=3).zero == 3 and replace(st, zero=3).num_micro_batches == 8
