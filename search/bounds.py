@@ -83,6 +83,7 @@ class Bounds:
         self._chains: dict = {}
         self._unit: dict = {}
         self._mixed_periods: dict = {}
+        self._fill: dict = {}
         self._contexts: dict = {}
         self._per_sample: dict = {}
         self._regular: dict = {}
@@ -226,13 +227,12 @@ class Bounds:
         P, m, L = sk.pp, st.num_micro_batches, self.L
         rates, caps = [], []
         for g, kind in enumerate(sk.kinds):
-            s = self.summary(kind, st.micro_batch, st.sequence_parallel)
+            budget, states, act, rate = self._fill_terms(kind, st.micro_batch, st.sequence_parallel,
+                                                         sk.shards, st.zero)
             n = m if st.schedule == "gpipe" else min(P - g, m)
-            cap = self.tables.capacity(kind.pool)
-            budget = cap - self.tables.fixed_bytes(kind.pool)
-            per_unit = (self.tables.state_bytes(s.params, 0.0, sk.shards, st.zero) + n * s.act_lean) / L
+            per_unit = (states + n * act) / L
             caps.append(max(0.0, budget / per_unit) if per_unit > 0 else float(L))
-            rates.append(L / s.work)         # units per second per micro-batch
+            rates.append(rate)
         if sum(caps) < L:
             return INF
         # Breakpoints tau_g = U_g / rate_g; between them the capacity is linear in tau.
@@ -245,6 +245,19 @@ class Bounds:
             full += caps[g]
             speed -= rates[g]
         return INF
+
+    def _fill_terms(self, kind: Kind, b: int, sp: bool, shards: int, zero: int) -> tuple[float, ...]:
+        """What _water_fill reads of one kind (the same for every group of it, in every
+        pipeline): (memory budget, whole-model states, least activation bytes per
+        micro-batch, units per second per micro-batch)."""
+        key = (kind, b, sp, shards, zero)
+        hit = self._fill.get(key)
+        if hit is None:
+            s = self.summary(kind, b, sp)
+            budget = self.tables.capacity(kind.pool) - self.tables.fixed_bytes(kind.pool)
+            hit = self._fill[key] = (budget, self.tables.state_bytes(s.params, 0.0, shards, zero), s.act_lean,
+                                     self.L / s.work)
+        return hit
 
     def _zero3(self, sk_id: int, sk: Skeleton) -> tuple[float, float, float, float]:
         """Smallest (alpha, beta) of the all-gather and reduce-scatter over the pipeline's groups."""
