@@ -470,28 +470,22 @@ class Splitter:
             if memo_key is not None:
                 self._memo[memo_key] = (None, period_limit)
             return None
-        cands = [period]
         m = st.num_micro_batches
         # (Without memory, on one kind, in one mode, only ZeRO-3 makes totals differ.)
         z3 = st.zero >= 3 and sk.shards > 1
+        slower = ()
         if objective == "time" and m < 4 * P and (z3 or not unlimited):
             # Few micro-batches: the fill (sum of stage times) weighs like a few periods,
             # so a slightly slower period with less total work can win.
-            vals = np.unique(costs[np.isfinite(costs) & (costs > period)])
-            cands += list(vals[:3])
-        best_obj, best_split = INF, None
-        for tau in cands:
-            found = _minsum(costs, which, start, valid, L, tau)
-            if found is None:
-                continue
-            total, picks = found
-            bounds = [(e - d, e) for e, d in picks]
-            real_period = max(float(costs[which[j]][e, d - 1]) for j, (e, d) in enumerate(picks))
-            obj = (m - 1) * real_period + total if objective == "time" else real_period
-            if obj < best_obj * (1 - 1e-12):
-                best_obj = obj
-                rec = tuple(RECOMPUTES[mode_of(j, e, d)] for j, (e, d) in enumerate(picks))
-                best_split = Split(bounds=tuple(bounds), recompute=rec, period=real_period, total=total)
+            slower = np.unique(costs[np.isfinite(costs) & (costs > period)])
+        found = _least_objective(costs, which, start, valid, L, period, slower,
+                                 m - 1 if objective == "time" else None)
+        best_split = None
+        if found is not None:
+            total, picks, real_period = found
+            rec = tuple(RECOMPUTES[mode_of(j, e, d)] for j, (e, d) in enumerate(picks))
+            best_split = Split(bounds=tuple((e - d, e) for e, d in picks), recompute=rec, period=real_period,
+                               total=total)
         if memo_key is not None:
             self._memo[memo_key] = (best_split, period_limit)
         return best_split
@@ -676,6 +670,49 @@ def _sharding(group, st: Setting) -> int:
     when ZeRO shards states over them, else nothing (unsharded states and casts are
     the same however many replicas there are)."""
     return group.dp * group.cp if st.zero >= 1 else 1
+
+
+def _least_objective(costs: np.ndarray, which: list[int], start: np.ndarray, valid: np.ndarray, L: int,
+                     period: float, slower: np.ndarray, weight: float | None):
+    """The DP's choice among candidate periods: the least ``period`` (``_minmax``'s) and the
+    three smallest costs of ``slower`` (every stage cost above it, sorted), each giving the
+    least-total split with every stage within it (``_minsum``); of those, the one of least
+    ``weight * its period + its total`` (``weight`` None: its period alone), a later
+    candidate winning only by more than a relative 1e-12. Returns (total, [(end, length)]
+    per stage, period) or None.
+
+    A slower candidate's split beats the least period's only by a smaller total. It either
+    keeps every stage within the least period's own limit (then its total is no smaller)
+    or has a stage costing at least the next cost above that limit, with a total no smaller
+    than the least under the largest candidate. When neither bound beats the least period's
+    split, the candidates between are not tried: the same answer, with fewer DPs."""
+    cands = [period] + [float(x) for x in slower[:3]]
+    found_at = {}
+    if len(cands) > 1 and weight is not None:
+        first = found_at[0] = _minsum(costs, which, start, valid, L, cands[0])
+        widest = found_at[len(cands) - 1] = _minsum(costs, which, start, valid, L, cands[-1])
+        if first is not None and widest is not None:
+            first_obj = weight * _period_of(costs, which, first[1]) + first[0]
+            above = slower[np.searchsorted(slower, period * (1 + 1e-9), side="right"):]
+            least = min(weight * period + first[0], weight * float(above[0]) + widest[0] if len(above) else INF)
+            if not least < first_obj * (1 - 1e-12):
+                cands = cands[:1]
+    best_obj, best = INF, None
+    for i, tau in enumerate(cands):
+        found = found_at[i] if i in found_at else _minsum(costs, which, start, valid, L, tau)
+        if found is None:
+            continue
+        total, picks = found
+        real_period = _period_of(costs, which, picks)
+        obj = weight * real_period + total if weight is not None else real_period
+        if obj < best_obj * (1 - 1e-12):
+            best_obj, best = obj, (total, picks, real_period)
+    return best
+
+
+def _period_of(costs: np.ndarray, which: list[int], picks: list[tuple[int, int]]) -> float:
+    """The slowest stage's cost of a split given as [(end, length)] per stage."""
+    return max(float(costs[which[j]][e, d - 1]) for j, (e, d) in enumerate(picks))
 
 
 def _minmax(costs: np.ndarray, which: list[int], start: np.ndarray, valid: np.ndarray, L: int) -> float | None:

@@ -5,7 +5,11 @@ from __future__ import annotations
 import itertools
 from dataclasses import replace
 
+import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import settings as hsettings
+from hypothesis import strategies as hst
 
 from autoplan import Cluster, Plan, models
 from autoplan.plan import DeviceGroup, Stage
@@ -226,6 +230,48 @@ def test_dp_finds_the_smallest_period_that_fits(case):
         assert split is not None and split.period == pytest.approx(best, rel=1e-12)
         analysis, _ = analyze(tables, sk, st, split.bounds, split.recompute)
         assert analysis.fits
+
+
+def _every_candidate(costs, which, start, valid, L, period, slower, weight):
+    """The DP's choice among candidate periods written plainly: every candidate tried."""
+    from search.split import _minsum
+    best_obj, best = float("inf"), None
+    for tau in [period] + [float(x) for x in slower[:3]]:
+        found = _minsum(costs, which, start, valid, L, tau)
+        if found is None:
+            continue
+        total, picks = found
+        real = max(float(costs[which[j]][e, d - 1]) for j, (e, d) in enumerate(picks))
+        obj = weight * real + total if weight is not None else real
+        if obj < best_obj * (1 - 1e-12):
+            best_obj, best = obj, (total, picks, real)
+    return best
+
+
+@given(units=hst.integers(3, 9), stages=hst.integers(2, 6), parts=hst.integers(1, 3), width=hst.integers(1, 9),
+       weight=hst.sampled_from([None, 0, 1, 3, 20]), seed=hst.integers(0, 2 ** 31), levels=hst.integers(2, 40))
+@hsettings(max_examples=300, deadline=None)
+def test_pruned_candidate_periods_give_the_plain_choice(units, stages, parts, width, weight, seed, levels):
+    """_least_objective skips candidate periods that provably cannot win; on random stage
+    costs (few levels, so ties abound, and some runs that do not fit) it returns what
+    trying every candidate returns."""
+    from search.split import _least_objective, _minmax
+    L, S = units, min(stages, units)
+    K = min(width, L - S + 1)
+    rng = np.random.default_rng(seed)
+    e = np.arange(L + 1)[:, None]
+    s = e - np.arange(1, K + 1)[None, :]
+    start, valid = np.maximum(s, 0), s >= 0
+    costs = rng.integers(1, levels + 1, size=(parts, L + 1, K)).astype(float) / levels
+    costs[rng.random(costs.shape) < 0.15] = np.inf
+    costs[:, ~valid] = np.inf
+    which = [int(x) for x in rng.integers(0, parts, size=S)]
+    period = _minmax(costs, which, start, valid, L)
+    if period is None:
+        return
+    slower = np.unique(costs[np.isfinite(costs) & (costs > period)])
+    assert _least_objective(costs, which, start, valid, L, period, slower, weight) == \
+        _every_candidate(costs, which, start, valid, L, period, slower, weight)
 
 
 # The DP keeps band views, shortest-run tables, chunk shares and memory-free splits
