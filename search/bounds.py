@@ -650,13 +650,33 @@ class Bounds:
         """Lower bound on the closed-form time of any split (INF: nothing can fit).
         ``period_floor``: a lower bound on the busiest rank's work per micro-batch known
         from elsewhere (the memory-free split's, :meth:`memory_period`)."""
-        # Gradients are reduced and ZeRO shards over the data x context ranks.
-        P, dp, m, v = sk.pp, sk.shards, st.num_micro_batches, st.virtual_stages
-        tables = self.tables
         ctx = self._context(sk_id, sk, st.micro_batch, st.sequence_parallel)
         extra = self._extra_in(ctx, sk_id, sk, st)
         if extra == INF:
             return INF
+        return self._bound(ctx, sk_id, sk, st, extra, period_floor)
+
+    def item_bound(self, sk_id: int, sk: Skeleton, b: int, sp: bool, pipelinings, zero: int) -> float:
+        """A bound valid for every setting of ``sk`` at micro-batch ``b`` and sequence
+        parallelism ``sp`` with one of ``pipelinings`` ((micro-batches, schedule, virtual
+        stages)) and a ZeRO stage of at most ``zero``: :meth:`time_bound`'s arithmetic
+        with no recomputation forced by memory (time_bound adds what is forced) and
+        without the costs only some ZeRO stages pay (ZeRO-3's gathers, the reduction of an
+        unpipelined replica), at the most sharded stage (its states leave the most
+        memory), for the pipelining that gives the least. Unlike
+        :meth:`micro_batch_bound` it counts the pipeline's fill and sends, so most of the
+        micro-batch sizes a skeleton allows are ruled out without bounding each setting."""
+        ctx = self._context(sk_id, sk, b, sp)
+        return min((self._bound(ctx, sk_id, sk, Setting(b, m, schedule, v, zero, sp), 0.0, 0.0,
+                                every_zero=True) for m, schedule, v in pipelinings), default=INF)
+
+    def _bound(self, ctx: "_Context", sk_id: int, sk: Skeleton, st: Setting, extra: float,
+               period_floor: float, every_zero: bool = False) -> float:
+        """time_bound() given the recomputation time forced by memory (``extra``);
+        ``every_zero``: leave out what only some ZeRO stages pay (see item_bound)."""
+        # Gradients are reduced and ZeRO shards over the data x context ranks.
+        P, dp, m, v = sk.pp, sk.shards, st.num_micro_batches, st.virtual_stages
+        tables = self.tables
         if ctx.one_kind:
             period = (ctx.spread + extra) / P
         else:
@@ -670,7 +690,7 @@ class Bounds:
         # Every rank's work is part of the total.
         total = max(total, period)
         first = ctx.first
-        if st.zero >= 3 and dp > 1:
+        if st.zero >= 3 and dp > 1 and not every_zero:
             # Each stage costs at least its parameter gather + gradient scatter.
             params, stack = first.params, tables.stack
             a_g, b_g, a_s, b_s = self._zero3(sk_id, sk)
@@ -679,7 +699,7 @@ class Bounds:
             period = max(period, gs / P)
         if P == 1:
             bound = m * period
-            if dp > 1 and st.zero < 3:
+            if dp > 1 and st.zero < 3 and not every_zero:
                 kind = tables.stack.grad_reduce_kind(st.zero)
                 bound += tables.dp_collective(sk.groups[0], first.params * tables.stack.grad_reduce_bytes_per_param,
                                               kind) / self.L

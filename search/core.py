@@ -751,11 +751,21 @@ class _Search:
                     for b in self.mb_options(sk.dp):
                         for sp in self.sequence_parallel(sk):
                             heapq.heappush(heap, (self.bounds.micro_batch_bound(payload, sk, b, sp), counter, 1,
-                                                  (payload, b, sp)))
+                                                  (payload, b, sp, False)))
                             counter += 1
                 else:
-                    si, b, sp = payload
+                    si, b, sp, refined = payload
                     sk = skeletons[si]
+                    if not refined:
+                        # Before bounding each setting: the item's bound with the pipeline's
+                        # fill and sends, which rules most micro-batch sizes out at once.
+                        zeros = self.c.zero if sk.shards > 1 else (min(self.c.zero),)
+                        pipelinings = list(self._pipelinings(sk.pp, sk.dp, b))
+                        tight = self.bounds.item_bound(si, sk, b, sp, pipelinings, max(zeros))
+                        if bound < tight < INF:
+                            heapq.heappush(heap, (tight, cnt, 1, (si, b, sp, True)))
+                            bounds_s += time.perf_counter() - t
+                            continue
                     for st, zeros in self.settings(sk, b, sp):
                         bound = self.bounds.time_bound(si, sk, st)
                         if bound == INF:

@@ -388,6 +388,40 @@ def test_time_bound_is_below_every_split(schedule, b, zero, memory):
     assert lower >= 0.3 * min(times), "a bound this loose would prune nothing"
 
 
+ITEM_CASES = {
+    # name: (cluster, skeleton, global batch)
+    "homogeneous-pp2": (CLUSTER, Skeleton(groups=tuple(DeviceGroup(ranks=tuple(range(8 * g, 8 * g + 8)), tp=2)
+                                                       for g in range(2)), kinds=(Kind(0, 2),) * 2), 64),
+    "homogeneous-pp4": WARM_SKELETONS["homogeneous-pp4"] + (32,),
+    "mixed-t4-v100": WARM_SKELETONS["mixed-t4-v100"] + (32,),
+    "tight-toy": WARM_SKELETONS["tight-toy"] + (16,),
+}
+
+
+@pytest.mark.parametrize("name", ITEM_CASES, ids=list(ITEM_CASES))
+def test_item_bound_is_below_every_setting_of_the_item(name):
+    """Bounds.item_bound stands for every setting of a skeleton at one micro-batch size and
+    sequence-parallel setting (every schedule, virtual-stage count and ZeRO stage the
+    search tries there): never above any of their time bounds, and, counting the
+    pipeline's fill, tighter than micro_batch_bound somewhere."""
+    from search.core import _Search
+    from search.space import Constraints
+    cluster, sk, gb = ITEM_CASES[name]
+    s = _Search(GPT, cluster, gb, Constraints.build(progress=False))
+    s.modes = tuple(RECOMPUTES)
+    bounds_ = Bounds(s.tables, s.modes, gb)
+    tighter = 0
+    for b in s.mb_options(sk.dp):
+        for sp in s.sequence_parallel(sk):
+            zeros = s.c.zero if sk.shards > 1 else (min(s.c.zero),)
+            item = bounds_.item_bound(0, sk, b, sp, list(s._pipelinings(sk.pp, sk.dp, b)), max(zeros))
+            each = [bounds_.time_bound(0, sk, replace(st, zero=z))
+                    for st, zs in s.settings(sk, b, sp) for z in zs]
+            assert item <= min(each, default=float("inf")), (b, sp)
+            tighter += item > bounds_.micro_batch_bound(0, sk, b, sp) * (1 + 1e-9)
+    assert tighter > 0
+
+
 DEEP = models.transformer(layers=10, hidden=1024, heads=16, seq_len=1024, vocab=2048, name="deep-10x1024")
 """Blocks dominate (a small vocabulary): memory_period's relaxation bites."""
 MEMORY_PERIOD_CASES = {
