@@ -828,6 +828,9 @@ def _share_period(ranks: dict, units: dict) -> float:
     top = min(count, int(count - (forced * mult).sum() + forced.max()))
     if top < 0:
         return INF
+    # Nor more than its chunks hold at their most: past that every least time below is
+    # infinite, so the arrays stop there (the same answer from smaller arrays).
+    top = min(top, int(np.clip(most.max(axis=2), 0, top).sum(axis=1).max()))
     xs = np.arange(top + 1)
     # t[r, c, x]: x units in chunk c of rank r, in the cheapest mode they fit in (fitting
     # is monotone in x, so t is finite on an interval, and does not decrease on it).
