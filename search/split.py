@@ -415,41 +415,41 @@ class Splitter:
                 continue
             no_room = [r for r, k in enumerate(keys) if not k[1] > 0]
             safe_cap = np.where(cap_j > 0, cap_j, 1.0)
-            best = choice = None
+            best = None
+            need = np.empty((len(keys),) + t_band.shape[1:])
             for i, q in enumerate(qs):
-                need = base_b[i][None] + n * act_b[i][None]
+                np.multiply(n, act_b[i][None], out=need)
+                np.add(base_b[i][None], need, out=need)
                 if floor_b is not None:
-                    need = np.maximum(need, floor_b[i][None])
-                t_i = t_band[i]
-                if limited:
-                    t_i = np.where(t_i <= period_limit, t_i, INF)
+                    np.maximum(need, floor_b[i][None], out=need)
                 # A device with no budget left (cap 0) takes nothing: any need is
                 # infinite there, and 0/0 must not become NaN.
-                frac = need / safe_cap
+                val = need / safe_cap
                 for r in no_room:
-                    frac[r] = np.where(need[r] > 0, INF, 0.0)
-                val = np.where(t_i[None] < INF, frac, INF) if limited else frac
-                # The first of equal modes wins: the fastest (modes are listed fastest
-                # first), so a later mode must be strictly better.
+                    val[r] = np.where(need[r] > 0, INF, 0.0)
+                if limited:
+                    val[:, ~(t_band[i] <= period_limit)] = INF
+                # The least over the modes; which mode gives it (the first of equals, the
+                # fastest) is worked out for the chosen stages alone (see mode_of).
                 if best is None:
-                    best, choice = val, np.full(val.shape, q, dtype=np.int8)
+                    best = val
                 else:
-                    better = val < best
-                    best = np.where(better, val, best)
-                    choice = np.where(better, np.int8(q), choice)
+                    np.minimum(best, val, out=best)
             for r, k in enumerate(keys):
                 for j in rows[k]:
                     which[j] = sum(len(c) for c in cost_parts) + r
+                    inputs[j] = (t_band, base_b, act_b, floor_b, float(k[0]), k[1])
             cost_parts.append(best)
-            choice_parts.append(choice)
+            choice_parts.append(None)
         costs = cost_parts[0] if len(cost_parts) == 1 else np.concatenate(cost_parts)
-        choices = None if objective == "time" and not unlimited else \
+        choices = None if not unlimited else \
             choice_parts[0] if len(choice_parts) == 1 else np.concatenate(choice_parts)
 
         def mode_of(j: int, e: int, d: int) -> int:
             """Recompute mode of stage j ending at e with d units: the first allowed mode
-            with the least time among those that fit, as the arrays above would say, by
-            the same arithmetic on the one element."""
+            with the least time among those that fit (memory objective: the least share of
+            the budget), as the arrays above would say, by the same arithmetic on the one
+            element."""
             if choices is not None:
                 return int(choices[which[j]][e, d - 1])
             t_band, base_b, act_b, floor_b, count, cap = inputs[j]
@@ -461,7 +461,10 @@ class Splitter:
                 t = t_band[i][e, d - 1]
                 if limited and not t <= period_limit:
                     t = INF
-                val = t if need <= cap else INF
+                if objective == "time":
+                    val = t if need <= cap else INF
+                else:
+                    val = INF if t == INF and limited else need / cap if cap > 0 else INF if need > 0 else 0.0
                 if val < least:
                     pick, least = q, val
             return pick
