@@ -428,7 +428,7 @@ class Splitter:
                 for r in no_room:
                     val[r] = np.where(need[r] > 0, INF, 0.0)
                 if limited:
-                    val[:, ~(t_band[i] <= period_limit)] = INF
+                    np.copyto(val, INF, where=t_band[i] > period_limit)
                 # The least over the modes; which mode gives it (the first of equals, the
                 # fastest) is worked out for the chosen stages alone (see mode_of).
                 if best is None:
