@@ -68,6 +68,7 @@ class Splitter:
         self._shares: dict = {}
         self._shortest: dict = {}
         self._memo: dict = {}
+        self._inputs: dict = {}
         self.runs = 0
         """DP runs (for the search statistics; splits shared from the cache not counted)."""
         self.unreached = 0
@@ -271,7 +272,7 @@ class Splitter:
             return None
         qs = [RECOMPUTES.index(m) for m in modes]
         K = L - S + 1
-        time_ms = [self._time_mats(sk, g, st) for g in range(P)]
+        time_ms, per_group = self._group_inputs(sk, st, qs, unlimited)
         if unlimited:
             # The even split (unit counts differing by at most one) bounds the least
             # period from above: no stage of the optimum costs more than it does.
@@ -314,25 +315,6 @@ class Splitter:
                 hit = self._bands[key] = (mats, wide if mode_key == (0, 1, 2) else wide[qs])
             return hit[1][:, :, :K]
 
-        # What a stage needs depends on its group (and, through the budget share and the
-        # in-flight count, on its chunk): look the group's matrices up once.
-        per_group = []
-        for g in range(P):
-            time_m = time_ms[g]
-            if unlimited:
-                per_group.append((time_m, None, None, None, 0.0))
-                continue
-            pool = sk.kinds[g].pool
-            cap = self.tables.capacity(pool) - self.tables.fixed_bytes(pool, sk.groups[g], P, sk.ep)
-            if v == 1:
-                base, act = self._mem_mats(sk, g, st)
-                per_group.append((time_m, base, act, self._step_mats(sk, g, st), cap))
-            else:
-                # A group's chunks share its memory, but its transient peak happens once:
-                # set aside the largest transient the group can see, split the rest.
-                base, act = self._states_mats(sk, g, st)
-                per_group.append((time_m, base, act, None, cap - self.tables.dynamic_factor
-                                  * self._transient_reserve(sk, g, st, qs)))
         # Stages on groups with the same matrices are costed together: cost[e, d] (inf
         # where it does not fit) and the recompute mode chosen, for every stage at once;
         # stages with the same in-flight count and budget share one computation.
@@ -492,6 +474,40 @@ class Splitter:
         if memo_key is not None:
             self._memo[memo_key] = (best_split, period_limit)
         return best_split
+
+    def _group_inputs(self, sk: Skeleton, st: Setting, qs: list[int], unlimited: bool) -> tuple[list, list]:
+        """(time matrix per group, per group (time, base, activation, step-floor matrices,
+        memory room)) for the DP: what a stage needs depends on its group (and, through the
+        budget share and the in-flight count, on its chunk), so the group's matrices are
+        looked up once. Kept per skeleton (by identity) and what they depend on of the
+        setting: the DPs of one skeleton's candidates read them again and again."""
+        P, v = sk.pp, st.virtual_stages
+        # (The memory room depends on the tables' margin, which a search may drop.)
+        key = (id(sk), st.micro_batch, st.sequence_parallel, st.zero, v, tuple(qs), unlimited,
+               self.tables.margin)
+        hit = self._inputs.get(key)
+        if hit is not None and hit[0] is sk:
+            return hit[1], hit[2]
+        time_ms = [self._time_mats(sk, g, st) for g in range(P)]
+        per_group = []
+        for g in range(P):
+            time_m = time_ms[g]
+            if unlimited:
+                per_group.append((time_m, None, None, None, 0.0))
+                continue
+            pool = sk.kinds[g].pool
+            cap = self.tables.capacity(pool) - self.tables.fixed_bytes(pool, sk.groups[g], P, sk.ep)
+            if v == 1:
+                base, act = self._mem_mats(sk, g, st)
+                per_group.append((time_m, base, act, self._step_mats(sk, g, st), cap))
+            else:
+                # A group's chunks share its memory, but its transient peak happens once:
+                # set aside the largest transient the group can see, split the rest.
+                base, act = self._states_mats(sk, g, st)
+                per_group.append((time_m, base, act, None, cap - self.tables.dynamic_factor
+                                  * self._transient_reserve(sk, g, st, qs)))
+        self._inputs[key] = (sk, time_ms, per_group)
+        return time_ms, per_group
 
     def _out_of_reach(self, per_group: list, counts, shares, st: Setting, qs: list[int],
                       period_limit: float) -> bool:
