@@ -983,13 +983,8 @@ class _Search:
             return leanest[joint]
 
         def timed_dp(joint: bool):
-            # Where the memory-free split does not fit the DP's budgets, the leanest split
-            # comes first (one DP, needed anyway when nothing fits): if even it exceeds
-            # them, no split fits them and the time DP (one or two DPs) would find none.
-            if st.virtual_stages > 1 and self.splitter.free_split_overflows(sk, st, modes, joint, limit):
-                least = lean(joint)
-                if least is None or least.period > 1 + 1e-9:
-                    return None
+            # (No leanest-split DP first to prove that nothing fits: most of the time
+            # something does, and the time DP's own no-split test answers the rest.)
             return self.splitter.split(sk, st, modes, period_limit=limit, joint=joint)
 
         sim = simulated(st, sk.pp)

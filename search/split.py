@@ -205,14 +205,6 @@ class Splitter:
         free = self._unconstrained(sk, st, modes)
         return INF if free is None else free.period
 
-    def free_split_overflows(self, sk: Skeleton, st: Setting, modes: tuple[str, ...], joint: bool,
-                             period_limit: float = INF) -> bool:
-        """Whether the memory-free split (under ``period_limit``) exists and some stage of it
-        exceeds the memory budget the DP gives it (``joint``: budgets for interleaved chunks
-        sharing one memory). Only then can the leanest split prove that no split fits."""
-        free = self._unconstrained(sk, st, modes, period_limit)
-        return free is not None and not self._fits(sk, st, modes, free, joint)
-
     def _unconstrained(self, sk: Skeleton, st: Setting, modes: tuple[str, ...],
                        period_limit: float = INF) -> Split | None:
         """The DP's split with unlimited memory and the fastest mode (cached), or None when
