@@ -54,9 +54,18 @@ class LayerTask:
     key: ShapeKey = field(compare=False)
     """Shape key of ``spec``: with tp and micro_batch, what identifies the entry."""
     need_bytes: float = field(default=0.0, compare=False)
-    """Estimated device memory while measuring (one shard, its gradients, activations)."""
+    """Estimated device memory the layer itself needs while measured (one shard, its
+    gradients, activations)."""
+    flush_bytes: float = field(default=0.0, compare=False)
+    """The buffer overwritten before each timed pass to evict the caches (0 without
+    flushing); allocated beside the layer, so the memory guard counts both."""
     weight: float = field(default=1.0, compare=False)
     """Relative cost, for the progress ETA."""
+
+    @property
+    def total_bytes(self) -> float:
+        """Device memory measuring this entry takes: the layer's and the cache flush's."""
+        return self.need_bytes + self.flush_bytes
 
     @property
     def entry_key(self) -> tuple:

@@ -26,7 +26,7 @@ from autoplan.profiler.links import DEFAULT_SIZES, LinkSettings, benchmark_links
 from autoplan.profiler.progress import Progress
 from autoplan.profiler.shapes import shape_key, spec_to_dict, tp_supported
 from autoplan.profiler.store import ProfileFile, ProfileStore, file_name
-from autoplan.profiler.timing import RepeatPolicy
+from autoplan.profiler.timing import RepeatPolicy, flush_bytes
 from autoplan.units import DTYPE_BYTES, GiB
 
 DEFAULT_TP = (1, 2, 4, 8)
@@ -165,8 +165,12 @@ def _need_bytes(spec, tp: int, mb: int, dtype: str) -> float:
 
 
 def plan_tasks(models: Iterable, device_spec, dtype: str, tp: Sequence[int], micro_batches: Sequence[int],
-               seq_lens: Sequence[int] | None, policy: RepeatPolicy) -> tuple[list[LayerTask], dict[str, str]]:
-    """Every entry of the sweep (deduplicated by shape), and the degrees that were skipped."""
+               seq_lens: Sequence[int] | None, policy: RepeatPolicy,
+               device: str = "cpu") -> tuple[list[LayerTask], dict[str, str]]:
+    """Every entry of the sweep (deduplicated by shape), and the degrees that were skipped.
+    With the policy's cache flush, each task also counts the buffer that evicts
+    ``device``'s caches before every timed pass (up to twice the last-level cache: on a
+    server CPU, hundreds of MiB)."""
     from autoplan import models as zoo
     from costmodel.compute import roofline_timing
     from costmodel.efficiency import default_efficiency
@@ -190,9 +194,13 @@ def plan_tasks(models: Iterable, device_spec, dtype: str, tp: Sequence[int], mic
                         key = shape_key(layer)
                         rt = roofline_timing(device_spec, eff, layer, mb, t, False, dtype)
                         passes = 2 * (policy.warmup + policy.repeats) + 4
+                        # (The flush is sized by the working set measure_layer gives it.)
+                        working = (layer.params.at(t) * DTYPE_BYTES[dtype]
+                                   + mb * layer.activation_bytes["none"].at(t))
+                        flush = float(flush_bytes(device, working)) if policy.flush else 0.0
                         task = LayerTask(model=label, config=cfg, unit=i, kind=layer.kind, tp=t, micro_batch=mb,
                                          seq_len=cfg.seq_len, spec=layer, key=key,
-                                         need_bytes=_need_bytes(layer, t, mb, dtype),
+                                         need_bytes=_need_bytes(layer, t, mb, dtype), flush_bytes=flush,
                                          weight=(rt.forward + rt.backward) * passes + 3 * policy.min_time_s)
                         tasks.setdefault(task.entry_key, task)
     return list(tasks.values()), skipped
@@ -277,15 +285,16 @@ def profile(model, *, device: str = "cpu", dtype: str | None = None, out: str | 
     env = capture(torch_device, device_spec, command)
     path = Path(out) / file_name(device_spec.name, dtype, env.torch_version)
 
-    tasks, skipped_tp = plan_tasks(models, device_spec, dtype, tp, micro_batches, seq_lens, policy)
+    tasks, skipped_tp = plan_tasks(models, device_spec, dtype, tp, micro_batches, seq_lens, policy,
+                                   torch_device)
     limit = max_layer_bytes if max_layer_bytes is not None else (
         available_memory_bytes(torch_device) * (GPU_MEMORY_SHARE if cuda else CPU_MEMORY_SHARE))
-    fitting = [t for t in tasks if t.need_bytes <= limit]
-    refused = [f"{t.label()}: needs ~{t.need_bytes / GiB:.2f} GiB" for t in tasks if t.need_bytes > limit]
+    fitting = [t for t in tasks if t.total_bytes <= limit]
+    refused = [f"{t.label()}: needs ~{t.total_bytes / GiB:.2f} GiB" for t in tasks if t.total_bytes > limit]
     if tasks and not fitting:
-        small = min(tasks, key=lambda t: t.need_bytes)
+        small = min(tasks, key=lambda t: t.total_bytes)
         raise ConfigError("max_layer_bytes", f"no layer fits: the smallest, {small.label()}, needs "
-                          f"~{small.need_bytes / GiB:.2f} GiB of the {limit / GiB:.2f} GiB allowed",
+                          f"~{small.total_bytes / GiB:.2f} GiB of the {limit / GiB:.2f} GiB allowed",
                           "profile at a larger --tp, a smaller --micro-batch or a shorter --seq-len, "
                           "or raise --max-layer-bytes")
     if not tasks:
