@@ -220,7 +220,14 @@ class Splitter:
         # other, is left out (except under ZeRO-3 with few micro-batches, where the DP scans
         # the trade). Mixed pipelines are cached the same way (keyed by their kinds in order).
         m = st.num_micro_batches
-        key = (sk.kinds, st.micro_batch, sp, v, modes[0], comm, m if z3 and m < 4 * sk.pp else None)
+        if len(set(sk.kinds)) == 1 and (comm is None or len(set(comm)) == 1):
+            # One kind (and, under ZeRO-3, one set of collectives) on every group: every
+            # stage costs alike, so the split depends on the number of stages alone, not on
+            # the depth and chunk count that make it.
+            shape = (sk.kinds[0], sk.pp * v, comm[0] if comm else None)
+        else:
+            shape = (sk.kinds, v, comm)
+        key = (shape, st.micro_batch, sp, modes[0], m if z3 and m < 4 * sk.pp else None)
         # Cached with the period limit it was computed under: a split within that limit is
         # the least period under any limit; "none within this limit" (None, or a split
         # over it) also holds for every smaller limit.
