@@ -250,12 +250,17 @@ class _Search:
             return self.c.sequence_parallel
         return (min(self.c.sequence_parallel),)
 
+    def zero_options(self, shards: int) -> tuple[int, ...]:
+        """ZeRO stages worth trying over ``shards`` data x context ranks (without any,
+        ZeRO shards nothing: one stage stands for all)."""
+        return self.c.zero if shards > 1 else (min(self.c.zero),)
+
     def settings(self, sk: Skeleton, b: int, sp: bool):
         """(setting, ZeRO stages it stands for) of a skeleton at micro-batch ``b``."""
         P, dp, shards = sk.pp, sk.dp, sk.shards
         # Settings that change nothing are tried once: ZeRO without data (or context)
         # parallelism, sequence parallelism without tensor parallelism (see sequence_parallel()).
-        zeros = self.c.zero if shards > 1 else (min(self.c.zero),)
+        zeros = self.zero_options(shards)
         # ZeRO 0-2 share a time bound (they differ in memory and in the gradient
         # reduction only); ZeRO-3 adds gathers to every micro-batch.
         low = tuple(z for z in zeros if z < 3 or shards == 1)
@@ -468,7 +473,7 @@ class _Search:
                 per = 0
                 for ep in self.ep_options(dp):
                     sk = Skeleton(groups=one.groups, kinds=(replace(kind, ep=ep),))
-                    for zero in (self.c.zero if dp > 1 else (min(self.c.zero),)):
+                    for zero in self.zero_options(dp):
                         for sp in self.sequence_parallel(sk):
                             least = self._least_units_bytes(sk, 0, Setting(b, 1, "1f1b", 1, zero, sp), 0)
                             per = max(per, int(np.searchsorted(least, room, side="right")))
@@ -759,9 +764,9 @@ class _Search:
                     if not refined:
                         # Before bounding each setting: the item's bound with the pipeline's
                         # fill and sends, which rules most micro-batch sizes out at once.
-                        zeros = self.c.zero if sk.shards > 1 else (min(self.c.zero),)
                         pipelinings = list(self._pipelinings(sk.pp, sk.dp, b))
-                        tight = self.bounds.item_bound(si, sk, b, sp, pipelinings, max(zeros))
+                        tight = self.bounds.item_bound(si, sk, b, sp, pipelinings,
+                                                       max(self.zero_options(sk.shards)))
                         if bound < tight < INF:
                             heapq.heappush(heap, (tight, cnt, 1, (si, b, sp, True)))
                             bounds_s += time.perf_counter() - t

@@ -444,8 +444,12 @@ class Splitter:
                     t = INF
                 if objective == "time":
                     val = t if need <= cap else INF
+                elif limited and t == INF:
+                    val = INF
+                elif cap > 0:
+                    val = need / cap
                 else:
-                    val = INF if t == INF and limited else need / cap if cap > 0 else INF if need > 0 else 0.0
+                    val = INF if need > 0 else 0.0   # (no budget: as the arrays' no-room rows)
                 if val < least:
                     pick, least = q, val
             return pick

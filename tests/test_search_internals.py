@@ -413,8 +413,8 @@ def test_item_bound_is_below_every_setting_of_the_item(name):
     tighter = 0
     for b in s.mb_options(sk.dp):
         for sp in s.sequence_parallel(sk):
-            zeros = s.c.zero if sk.shards > 1 else (min(s.c.zero),)
-            item = bounds_.item_bound(0, sk, b, sp, list(s._pipelinings(sk.pp, sk.dp, b)), max(zeros))
+            item = bounds_.item_bound(0, sk, b, sp, list(s._pipelinings(sk.pp, sk.dp, b)),
+                                      max(s.zero_options(sk.shards)))
             each = [bounds_.time_bound(0, sk, replace(st, zero=z))
                     for st, zs in s.settings(sk, b, sp) for z in zs]
             assert item <= min(each, default=float("inf")), (b, sp)
