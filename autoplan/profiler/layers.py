@@ -22,7 +22,7 @@ from torch.utils.checkpoint import checkpoint
 from autoplan.models.config import TransformerConfig
 from autoplan.models.spec import LayerSpec
 from autoplan.profiler.shapes import ShapeKey, shard_config
-from autoplan.profiler.timing import (STATISTICS, CacheFlush, Clock, RepeatPolicy, SavedBytes, flush_bytes,
+from autoplan.profiler.timing import (STATISTICS, CacheFlush, Clock, RepeatPolicy, SavedBytes,
                                       profile_pass, repeat_timed, spread)
 
 TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -139,9 +139,8 @@ def measure_layer(task: LayerTask, device: str, dtype: str, policy: RepeatPolicy
     clock = Clock(device, policy.clock)
     u = _build_unit(task, device, dtype)
     params = list(u.module.parameters())
-    working_set = (sum(p.numel() * p.element_size() for p in params)
-                   + task.micro_batch * task.spec.activation_bytes["none"].at(task.tp))
-    flush = CacheFlush(device, flush_bytes(device, working_set) if policy.flush else 0)
+    # (Sized where the memory guard counts it: plan_tasks.)
+    flush = CacheFlush(device, int(task.flush_bytes) if policy.flush else 0)
 
     # Gradient of the output: fixed, so every backward does the same work.
     with torch.no_grad():

@@ -194,7 +194,8 @@ def plan_tasks(models: Iterable, device_spec, dtype: str, tp: Sequence[int], mic
                         key = shape_key(layer)
                         rt = roofline_timing(device_spec, eff, layer, mb, t, False, dtype)
                         passes = 2 * (policy.warmup + policy.repeats) + 4
-                        # (The flush is sized by the working set measure_layer gives it.)
+                        # The cache flush measure_layer allocates: 4x the shard's weights and
+                        # saved activations, within the device's cache sizes (flush_bytes).
                         working = (layer.params.at(t) * DTYPE_BYTES[dtype]
                                    + mb * layer.activation_bytes["none"].at(t))
                         flush = float(flush_bytes(device, working)) if policy.flush else 0.0
