@@ -241,7 +241,7 @@ def _every_candidate(costs, which, start, valid, L, period, slower, weight):
         if found is None:
             continue
         total, picks = found
-        real = max(float(costs[which[j]][e, d - 1]) for j, (e, d) in enumerate(picks))
+        real = max(float(costs[which[j]][d - 1, e]) for j, (e, d) in enumerate(picks))
         obj = weight * real + total if weight is not None else real
         if obj < best_obj * (1 - 1e-12):
             best_obj, best = obj, (total, picks, real)
@@ -259,10 +259,10 @@ def test_pruned_candidate_periods_give_the_plain_choice(units, stages, parts, wi
     L, S = units, min(stages, units)
     K = min(width, L - S + 1)
     rng = np.random.default_rng(seed)
-    e = np.arange(L + 1)[:, None]
-    s = e - np.arange(1, K + 1)[None, :]
+    e = np.arange(L + 1)[None, :]
+    s = e - np.arange(1, K + 1)[:, None]
     start, valid = np.maximum(s, 0), s >= 0
-    costs = rng.integers(1, levels + 1, size=(parts, L + 1, K)).astype(float) / levels
+    costs = rng.integers(1, levels + 1, size=(parts, K, L + 1)).astype(float) / levels
     costs[rng.random(costs.shape) < 0.15] = np.inf
     costs[:, ~valid] = np.inf
     which = [int(x) for x in rng.integers(0, parts, size=S)]
