@@ -36,8 +36,8 @@ from autoplan.plan import DeviceGroup, Plan, Stage, even_split
 from autoplan.units import GiB
 from costmodel import estimate as full_estimate
 from search.bounds import Bounds
-from search.evaluate import (Candidate, Setting, Skeleton, analyze, busy_bound, program_actions, simulated,
-                             stage_figures)
+from search.evaluate import (Analysis, Candidate, Setting, Skeleton, analyze, busy_bound, fits_memory,
+                             program_actions, simulated, stage_figures, work_floor)
 from search.inflight import inflight
 from search.placement import PlacementStats, allocate, pool_kinds, sizings
 from search.progress import Progress
@@ -955,7 +955,9 @@ class _Search:
         ``modes``, or None. Interleaved chunks share their group's memory, so their DP works
         on per-chunk targets and the exact joint peak decides; the group-balanced split
         competes with the DP's. A simulated split whose busiest rank alone cannot beat
-        ``threshold``, or the best split found here so far, is not simulated.
+        ``threshold``, or the best split found here so far, is not simulated; one whose
+        ranks' compute alone cannot is not costed at all (of a closed-form one only
+        whether it fits is asked, when that decides whether the leanest split is sought).
         ``dp_beaten`` (interleaved only): no split within the DPs' chunk budgets can beat
         ``threshold``; only the even split and, failing it, the leanest split are tried."""
         timed_splits: dict = {}
@@ -966,8 +968,20 @@ class _Search:
             key = (split.bounds, split.recompute)
             if key in timed_splits:   # (the even interleaved split is checked before it is offered)
                 return timed_splits[key]
-            figs = stage_figures(self.tables, sk, st, split.bounds, split.recompute, known)
             bar = threshold if best is None else min(threshold, best[1].time_s)
+            if work_floor(self.tables, sk, st, split.bounds, split.recompute) > bar * (1 + 1e-9):
+                # (The margin: the floor adds the same terms in another order.)
+                if sim:
+                    self.stats.pruned_split_bound += 1
+                    timed_splits[key] = None
+                    return None
+                # Slower than what it would have to beat, whatever its time: it matters
+                # only while nothing here fits, as a fitting split (so the leanest split
+                # is not sought), and then it is ranked after any split that is timed.
+                fits = best is None and fits_memory(self.tables, sk, st, split.bounds, split.recompute)
+                timed_splits[key] = Analysis(time_s=INF, memory=(), fits=fits)
+                return timed_splits[key]
+            figs = stage_figures(self.tables, sk, st, split.bounds, split.recompute, known)
             if sim and busy_bound(self.tables, sk, st, figs) >= bar:
                 self.stats.pruned_split_bound += 1
                 timed_splits[key] = None

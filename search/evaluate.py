@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from functools import cached_property
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import numpy as np
 
@@ -246,8 +246,57 @@ class _GroupFigures:
             zero_params=t["cum_zero_params"][b] - t["cum_zero_params"][a])
 
 
+class _StageMemory(NamedTuple):
+    """The fields of :class:`StageFigures` that memory depends on (see :func:`fits_memory`)."""
+
+    params: float
+    zero_params: float
+    max_params: float
+    cast_params: float
+    activation: float
+    transient: float
+
+
+def fits_memory(tables: Tables, sk: Skeleton, st: Setting, bounds: Sequence[tuple[int, int]],
+                recompute: Sequence[str]) -> bool:
+    """Whether a split fits, exactly as :func:`analyze` decides it, without the stages' time
+    figures (their collectives and sends are most of what a stage figure costs)."""
+    figs = []
+    for j, ((a, b), mode) in enumerate(zip(bounds, recompute)):
+        t = tables.table(sk.kinds[j % sk.pp], st.micro_batch, st.sequence_parallel).scalars
+        q = RECOMPUTES.index(mode)
+        figs.append(_StageMemory(
+            params=t["cum_params"][b] - t["cum_params"][a],
+            zero_params=t["cum_zero_params"][b] - t["cum_zero_params"][a],
+            max_params=t["max_params"][a][b], cast_params=t["cum_cast_params"][b] - t["cum_cast_params"][a],
+            activation=t["cum_activation"][q][b] - t["cum_activation"][q][a],
+            transient=t["max_transient"][q][a][b]))
+    return _fits(tables, sk, group_memory(tables, sk, st, figs))
+
+
+def _fits(tables: Tables, sk: Skeleton, memory: Sequence[float]) -> bool:
+    return all(x <= tables.capacity(k.pool) for x, k in zip(memory, sk.kinds))
+
+
+def work_floor(tables: Tables, sk: Skeleton, st: Setting, bounds: Sequence[tuple[int, int]],
+               recompute: Sequence[str]) -> float:
+    """A lower bound on the iteration time of a split, from its stages' compute alone (no
+    figures needed): every rank runs its micro-batches' forward and backward passes one
+    after another, whatever the schedule (ZeRO-3 gathers, sends, the data-parallel
+    reduction and the optimizer step only add to it; the closed form and the simulation
+    both take at least this)."""
+    per_rank = [0.0] * sk.pp
+    for j, ((a, b), mode) in enumerate(zip(bounds, recompute)):
+        t = tables.table(sk.kinds[j % sk.pp], st.micro_batch, st.sequence_parallel).scalars
+        cbi = t["cum_backward_input"][RECOMPUTES.index(mode)]
+        per_rank[j % sk.pp] += (t["cum_forward"][b] - t["cum_forward"][a]) + (cbi[b] - cbi[a]) \
+            + (t["cum_backward_weight"][b] - t["cum_backward_weight"][a])
+    return st.num_micro_batches * max(per_rank)
+
+
 def group_memory(tables: Tables, sk: Skeleton, st: Setting, figs: Sequence[StageFigures]) -> list[float]:
-    """Peak bytes per GPU of every pipeline group."""
+    """Peak bytes per GPU of every pipeline group (``figs``: any records with the memory
+    fields of :class:`StageFigures`)."""
     P, v = sk.pp, st.virtual_stages
     fl = inflight(st.schedule, P, st.num_micro_batches, v)
 
@@ -403,8 +452,7 @@ def analyze(tables: Tables, sk: Skeleton, st: Setting, bounds, recompute, figs=N
     if figs is None:
         figs = stage_figures(tables, sk, st, bounds, recompute)
     mem = group_memory(tables, sk, st, figs)
-    caps = [tables.capacity(k.pool) for k in sk.kinds]
-    fits = all(x <= c for x, c in zip(mem, caps))
+    fits = _fits(tables, sk, mem)
     opts = tables.options
     if fitting_only and not fits:
         time_s = float("inf")
@@ -416,4 +464,4 @@ def analyze(tables: Tables, sk: Skeleton, st: Setting, bounds, recompute, figs=N
 
 
 __all__ = ["Skeleton", "Setting", "Candidate", "Analysis", "StageFigures", "stage_figures",
-           "group_memory", "pipeline_time", "busy_bound", "analyze", "replace"]
+           "group_memory", "fits_memory", "work_floor", "pipeline_time", "busy_bound", "analyze", "replace"]

@@ -18,7 +18,8 @@ from costmodel import EstimateOptions, estimate
 from costmodel.comm import p2p_time
 from costmodel.estimate import stage_costs
 from search.bounds import Bounds
-from search.evaluate import Setting, Skeleton, analyze, pipeline_time, simulated, stage_figures
+from search.evaluate import (Setting, Skeleton, analyze, fits_memory, pipeline_time, simulated,
+                             stage_figures, work_floor)
 from search.inflight import inflight
 from search.placement import PlacementStats, place, pool_kinds, sizings
 from search.split import Splitter
@@ -143,6 +144,32 @@ def test_closed_form_is_close_to_the_simulation(case):
     figs = stage_figures(tables, sk, st, [(s.start, s.end) for s in plan.stages], [s.recompute for s in plan.stages])
     closed = pipeline_time(sk, st, figs, tables)
     assert closed == pytest.approx(estimate(GPT, CLUSTER, plan).iteration_time_s, rel=0.05)
+
+
+@pytest.mark.parametrize("case", list(CASES) + list(LONG), ids=list(CASES) + list(LONG))
+def test_work_floor_and_memory_check_agree_with_the_analysis(case):
+    """The search skips costing a split whose ranks' compute alone (work_floor) is too slow,
+    and then asks only whether it fits (fits_memory): the floor must be below the fast
+    model's time (closed form or simulation) and the full estimate's, and the check must
+    say what analyze says, here under four memory sizes from roomy to none fitting."""
+    if case in CASES:
+        cluster, plan, model = CASES[case]
+    else:
+        cluster, plan, model = CLUSTER, Plan.uniform(GPT, CLUSTER, **LONG[case]), GPT
+    sk, st = skeleton_of(plan, cluster), setting_of(plan)
+    bounds, rec = [(s.start, s.end) for s in plan.stages], [s.recompute for s in plan.stages]
+    tables = Tables(model, cluster)
+    analysis, _ = analyze(tables, sk, st, bounds, rec)
+    floor = work_floor(tables, sk, st, bounds, rec)
+    assert 0 < floor <= analysis.time_s * (1 + 1e-9)
+    assert floor <= estimate(model, cluster, plan).iteration_time_s * (1 + 1e-9)
+    verdicts = []
+    for scale in (1.0, 0.5, 0.1, 0.001):
+        limited = Tables(model, cluster)
+        limited.capacity = lambda pool, cap=tables.capacity: cap(pool) * scale
+        verdicts.append(fits_memory(limited, sk, st, bounds, rec))
+        assert verdicts[-1] == analyze(limited, sk, st, bounds, rec)[0].fits
+    assert verdicts[-1] is False and verdicts[0] is analysis.fits
 
 
 @pytest.mark.parametrize("a,b", [((4,), (6,)), ((0, 1), (2, 3)), ((0, 1, 2, 3), (4, 5, 6, 7))],
