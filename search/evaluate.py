@@ -285,11 +285,13 @@ def work_floor(tables: Tables, sk: Skeleton, st: Setting, bounds: Sequence[tuple
     after another, whatever the schedule (ZeRO-3 gathers, sends, the data-parallel
     reduction and the optimizer step only add to it; the closed form and the simulation
     both take at least this)."""
-    per_rank = [0.0] * sk.pp
+    P = sk.pp
+    per_rank = [0.0] * P
+    of_group = [tables.table(k, st.micro_batch, st.sequence_parallel).scalars for k in sk.kinds]
     for j, ((a, b), mode) in enumerate(zip(bounds, recompute)):
-        t = tables.table(sk.kinds[j % sk.pp], st.micro_batch, st.sequence_parallel).scalars
+        t = of_group[j % P]
         cbi = t["cum_backward_input"][RECOMPUTES.index(mode)]
-        per_rank[j % sk.pp] += (t["cum_forward"][b] - t["cum_forward"][a]) + (cbi[b] - cbi[a]) \
+        per_rank[j % P] += (t["cum_forward"][b] - t["cum_forward"][a]) + (cbi[b] - cbi[a]) \
             + (t["cum_backward_weight"][b] - t["cum_backward_weight"][a])
     return st.num_micro_batches * max(per_rank)
 
