@@ -812,9 +812,11 @@ def _share_period(ranks: dict, units: dict) -> float:
     exempt = np.zeros(n.shape, dtype=bool)
     for r, k in enumerate(keys):
         for bit, end in zip((1, 2), units[k[0]][1]):
-            at = (where[r] & bit) > 0
-            if end is None or not at.any():
+            # (Only the ranks of the first and last stages hold end units: a plain test
+            # of the key skips the others without numpy.)
+            if end is None or not any(x & bit for x in k[3]):
                 continue
+            at = (where[r] & bit) > 0
             e_cost, e_act, e_states = end
             extra_cost[r] += at[:, None] * e_cost
             extra_bytes[r] += at[:, None] * (e_states + n[r][:, None] * e_act)

@@ -494,7 +494,14 @@ class Splitter:
         hit = self._inputs.get(key)
         if hit is not None and hit[0] is sk:
             return hit[1], hit[2]
-        time_ms = [self._time_mats(sk, g, st) for g in range(P)]
+        # (Without ZeRO-3 a group's time matrix depends on its kind alone: one lookup each.)
+        by_kind: dict = {}
+        time_ms = []
+        for g in range(P):
+            time_m = by_kind.get(sk.kinds[g]) if st.zero < 3 else None
+            if time_m is None:
+                time_m = by_kind[sk.kinds[g]] = self._time_mats(sk, g, st)
+            time_ms.append(time_m)
         per_group = []
         for g in range(P):
             time_m = time_ms[g]
