@@ -313,8 +313,9 @@ class Splitter:
             hit = self._bands.get(key)
             if hit is None or hit[0] is not mats:
                 full_start, full_valid = self._index(L)
-                wide = np.where(full_valid[None], mats[:, full_start, ends], fill)
-                hit = self._bands[key] = (mats, wide if mode_key == (0, 1, 2) else wide[qs])
+                # (Only the modes allowed are gathered: the memory-free DP reads one.)
+                picked = mats if mode_key == (0, 1, 2) else mats[qs]
+                hit = self._bands[key] = (mats, np.where(full_valid[None], picked[:, full_start, ends], fill))
             return hit[1][:, :K]
 
         # Stages on groups with the same matrices are costed together: cost[d, e] (inf
