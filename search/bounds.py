@@ -482,8 +482,8 @@ class Bounds:
         key = (b, sp, zero, tuple(ranks.items()))
         hit = self._share.get(key)
         if hit is None:
-            units = {k[0]: (self._virtual_unit(k[0][0], b, sp, k[0][1], zero),
-                            self._end_units(k[0][0], b, sp, k[0][1], zero)) for k in ranks}
+            units = {u: (self._virtual_unit(u[0], b, sp, u[1], zero), self._end_units(u[0], b, sp, u[1], zero))
+                     for u in dict.fromkeys(k[0] for k in ranks)}   # (in the ranks' order)
             hit = self._share[key] = _share_period(ranks, units)
         return hit
 
