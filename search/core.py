@@ -972,7 +972,9 @@ class _Search:
         known: dict = {}   # (stage figures, shared by every split tried here)
         best = None
 
-        def timed(split):
+        def timed(split, memory_first: bool = False):
+            # (memory_first: the split is likely not to fit, so that is asked before its
+            # stage figures are computed.)
             key = (split.bounds, split.recompute)
             if key in timed_splits:   # (the even interleaved split is checked before it is offered)
                 return timed_splits[key]
@@ -988,6 +990,9 @@ class _Search:
                 # is not sought), and then it is ranked after any split that is timed.
                 fits = best is None and fits_memory(self.tables, sk, st, split.bounds, split.recompute)
                 timed_splits[key] = Analysis(time_s=INF, memory=(), fits=fits)
+                return timed_splits[key]
+            if memory_first and not sim and not fits_memory(self.tables, sk, st, split.bounds, split.recompute):
+                timed_splits[key] = Analysis(time_s=INF, memory=(), fits=False)
                 return timed_splits[key]
             figs = stage_figures(self.tables, sk, st, split.bounds, split.recompute, known)
             if sim and busy_bound(self.tables, sk, st, figs) >= bar:
@@ -1060,9 +1065,10 @@ class _Search:
             bounds = tuple(even_split(self.model, S))
         except ConfigError:
             return None
-        for mode in modes:
+        for i, mode in enumerate(modes):
             split = Split(bounds=bounds, recompute=(mode,) * S, period=0.0, total=0.0)
-            analysis = timed(split)
+            # (Every mode but the leanest mostly does not fit: asked first, cheaply.)
+            analysis = timed(split, memory_first=i < len(modes) - 1)
             if analysis is not None and analysis.fits:
                 return split
         return None
