@@ -9,7 +9,7 @@ import pytest
 
 import autoplan
 from autoplan.catalog import get_device
-from benchmarks.published.decompose import closing_factor, compute_split
+from benchmarks.published.decompose import closing_factor, compute_split, per_micro_batch_cost
 from costmodel.compute import roofline_timing
 from costmodel.efficiency import default_efficiency
 
@@ -47,3 +47,15 @@ def test_closing_factor(part, expected):
     else:
         assert f == pytest.approx(expected, rel=1e-6)
         assert np.mean(MEASURED / (PREDICTED + (f - 1) * part) - 1) == pytest.approx(0.0, abs=1e-9)
+
+
+@pytest.mark.parametrize("a,c", [(1.0, 0.0), (1.13, 0.031), (0.9, 0.2)], ids=["none", "hagemann-like", "large"])
+def test_per_micro_batch_cost_recovers_a_known_cost(a, c):
+    """Runs built as measured = a * predicted + c * m on the pipelined ones: the fit gives a, c."""
+    rng = np.random.default_rng(0)
+    predicted = rng.uniform(20, 60, 40)
+    m = rng.integers(8, 256, 40).astype(float)
+    pipelined = (rng.random(40) < 0.5).astype(float)
+    measured = a * predicted + c * m * pipelined
+    fit_a, fit_c = per_micro_batch_cost(measured, predicted, m, pipelined)
+    assert fit_a == pytest.approx(a, rel=1e-9) and fit_c == pytest.approx(c, rel=1e-9, abs=1e-12)
