@@ -353,19 +353,18 @@ class Splitter:
             return None
         self.runs += 1
         # Stages costed alike share one band: costs[which[j]] is stage j's (K, L + 1) band
-        # of costs and choices[which[j]] its recompute modes, so the recurrences below
-        # prepare each band once, however many stages read it.
-        cost_parts, choice_parts = [], []
+        # of costs, so the recurrences below prepare each band once, however many stages
+        # read it.
+        cost_parts = []
         which = [0] * S
-        inputs: list = [None] * S   # (time objective: what a stage's mode is chosen from)
+        inputs: list = [None] * S   # (what each stage's mode is chosen from, see mode_of)
         limited = np.isfinite(period_limit)
         for time_m, base, act, floor, rows in alike.values():
-            t_band = band(time_m, INF)                           # (modes, L + 1, K)
+            t_band = band(time_m, INF)                           # (modes, K, L + 1)
             if unlimited:
                 for j in rows[None]:
                     which[j] = len(cost_parts)
                 cost_parts.append(t_band[:1])
-                choice_parts.append(np.full(t_band[:1].shape, qs[0], dtype=np.int8))
                 continue
             keys = list(rows)
             n = np.array([k[0] for k in keys], dtype=float)[:, None, None]
@@ -396,7 +395,6 @@ class Splitter:
                         which[j] = sum(len(c) for c in cost_parts) + r
                         inputs[j] = (t_band, base_b, act_b, floor_b, float(k[0]), k[1])
                 cost_parts.append(best)
-                choice_parts.append(None)
                 continue
             no_room = [r for r, k in enumerate(keys) if not k[1] > 0]
             safe_cap = np.where(cap_j > 0, cap_j, 1.0)
@@ -425,18 +423,15 @@ class Splitter:
                     which[j] = sum(len(c) for c in cost_parts) + r
                     inputs[j] = (t_band, base_b, act_b, floor_b, float(k[0]), k[1])
             cost_parts.append(best)
-            choice_parts.append(None)
         costs = cost_parts[0] if len(cost_parts) == 1 else np.concatenate(cost_parts)
-        choices = None if not unlimited else \
-            choice_parts[0] if len(choice_parts) == 1 else np.concatenate(choice_parts)
 
         def mode_of(j: int, e: int, d: int) -> int:
             """Recompute mode of stage j ending at e with d units: the first allowed mode
             with the least time among those that fit (memory objective: the least share of
             the budget), as the arrays above would say, by the same arithmetic on the one
             element."""
-            if choices is not None:
-                return int(choices[which[j]][d - 1, e])
+            if unlimited:
+                return qs[0]   # (memory aside, every stage runs the one mode it is given)
             t_band, base_b, act_b, floor_b, count, cap = inputs[j]
             pick, least = qs[0], INF
             for i, q in enumerate(qs):
@@ -495,14 +490,7 @@ class Splitter:
         hit = self._inputs.get(key)
         if hit is not None and hit[0] is sk:
             return hit[1], hit[2]
-        # (Without ZeRO-3 a group's time matrix depends on its kind alone: one lookup each.)
-        by_kind: dict = {}
-        time_ms = []
-        for g in range(P):
-            time_m = by_kind.get(sk.kinds[g]) if st.zero < 3 else None
-            if time_m is None:
-                time_m = by_kind[sk.kinds[g]] = self._time_mats(sk, g, st)
-            time_ms.append(time_m)
+        time_ms = [self._time_mats(sk, g, st) for g in range(P)]
         per_group = []
         for g in range(P):
             time_m = time_ms[g]
