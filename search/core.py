@@ -974,26 +974,26 @@ class _Search:
 
         def timed(split, memory_first: bool = False):
             # (memory_first: the split is likely not to fit, so that is asked before its
-            # stage figures are computed.)
+            # stage figures are computed; simulated splits are pruned by time instead.)
             key = (split.bounds, split.recompute)
             if key in timed_splits:   # (the even interleaved split is checked before it is offered)
                 return timed_splits[key]
             bar = threshold if best is None else min(threshold, best[1].time_s)
-            if work_floor(self.tables, sk, st, split.bounds, split.recompute) > bar * (1 + 1e-9):
-                # (The margin: the floor adds the same terms in another order.)
-                if sim:
-                    self.stats.pruned_split_bound += 1
-                    timed_splits[key] = None
-                    return None
-                # Slower than what it would have to beat, whatever its time: it matters
-                # only while nothing here fits, as a fitting split (so the leanest split
-                # is not sought), and then it is ranked after any split that is timed.
-                fits = best is None and fits_memory(self.tables, sk, st, split.bounds, split.recompute)
-                timed_splits[key] = Analysis(time_s=INF, memory=(), fits=fits)
-                return timed_splits[key]
-            if memory_first and not sim and not fits_memory(self.tables, sk, st, split.bounds, split.recompute):
-                timed_splits[key] = Analysis(time_s=INF, memory=(), fits=False)
-                return timed_splits[key]
+            # (The margin: the floor adds the same terms as the figures in another order.)
+            hopeless = work_floor(self.tables, sk, st, split.bounds, split.recompute) > bar * (1 + 1e-9)
+            if hopeless and sim:
+                self.stats.pruned_split_bound += 1
+                timed_splits[key] = None
+                return None
+            if hopeless or (memory_first and not sim):
+                # Only whether it fits is asked first. A hopeless split matters only while
+                # nothing here fits, as a fitting split (so the leanest split is not
+                # sought), and is then ranked after any split that is timed.
+                fits = (best is None or not hopeless) and fits_memory(self.tables, sk, st, split.bounds,
+                                                                        split.recompute)
+                if hopeless or not fits:
+                    timed_splits[key] = Analysis(time_s=INF, memory=(), fits=fits)
+                    return timed_splits[key]
             figs = stage_figures(self.tables, sk, st, split.bounds, split.recompute, known)
             if sim and busy_bound(self.tables, sk, st, figs) >= bar:
                 self.stats.pruned_split_bound += 1
