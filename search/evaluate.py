@@ -210,8 +210,8 @@ class _GroupFigures:
         cbi = t["cum_backward_input"][q]
         bi = cbi[b] - cbi[a]
         bw = t["cum_backward_weight"][b] - t["cum_backward_weight"][a]
-        params = t["cum_params"][b] - t["cum_params"][a]
-        cast = t["cum_cast_params"][b] - t["cum_cast_params"][a]
+        mem = _stage_memory(t, a, b, q)
+        params = mem.params
         # Expert gradients go over the ranks holding the same experts (costmodel.experts).
         ep = sk.ep
         expert = t["cum_expert_params"][b] - t["cum_expert_params"][a] if ep > 1 else 0.0
@@ -240,10 +240,8 @@ class _GroupFigures:
                 send_b = tables.p2p(group, prv, t["output_bytes"][a - 1])
         return StageFigures(
             forward=fwd, backward_input=bi, backward_weight=bw, send_forward=send_f, send_backward=send_b,
-            grad_reduce=reduce, params=params, cast_params=cast,
-            activation=t["cum_activation"][q][b] - t["cum_activation"][q][a],
-            transient=t["max_transient"][q][a][b], max_params=t["max_params"][a][b], units=b - a,
-            zero_params=t["cum_zero_params"][b] - t["cum_zero_params"][a])
+            grad_reduce=reduce, params=params, cast_params=mem.cast_params, activation=mem.activation,
+            transient=mem.transient, max_params=mem.max_params, units=b - a, zero_params=mem.zero_params)
 
 
 class _StageMemory(NamedTuple):
@@ -257,21 +255,29 @@ class _StageMemory(NamedTuple):
     transient: float
 
 
+def _stage_memory(t: dict, a: int, b: int, q: int) -> _StageMemory:
+    """The memory fields of units [a, b) in recompute mode ``q`` from a table's scalars."""
+    return _StageMemory(
+        params=t["cum_params"][b] - t["cum_params"][a],
+        zero_params=t["cum_zero_params"][b] - t["cum_zero_params"][a],
+        max_params=t["max_params"][a][b], cast_params=t["cum_cast_params"][b] - t["cum_cast_params"][a],
+        activation=t["cum_activation"][q][b] - t["cum_activation"][q][a],
+        transient=t["max_transient"][q][a][b])
+
+
 def fits_memory(tables: Tables, sk: Skeleton, st: Setting, bounds: Sequence[tuple[int, int]],
                 recompute: Sequence[str]) -> bool:
     """Whether a split fits, exactly as :func:`analyze` decides it, without the stages' time
     figures (their collectives and sends are most of what a stage figure costs)."""
-    figs = []
-    for j, ((a, b), mode) in enumerate(zip(bounds, recompute)):
-        t = tables.table(sk.kinds[j % sk.pp], st.micro_batch, st.sequence_parallel).scalars
-        q = RECOMPUTES.index(mode)
-        figs.append(_StageMemory(
-            params=t["cum_params"][b] - t["cum_params"][a],
-            zero_params=t["cum_zero_params"][b] - t["cum_zero_params"][a],
-            max_params=t["max_params"][a][b], cast_params=t["cum_cast_params"][b] - t["cum_cast_params"][a],
-            activation=t["cum_activation"][q][b] - t["cum_activation"][q][a],
-            transient=t["max_transient"][q][a][b]))
+    of_group = _scalars_of_groups(tables, sk, st)
+    figs = [_stage_memory(of_group[j % sk.pp], a, b, RECOMPUTES.index(mode))
+            for j, ((a, b), mode) in enumerate(zip(bounds, recompute))]
     return _fits(tables, sk, group_memory(tables, sk, st, figs))
+
+
+def _scalars_of_groups(tables: Tables, sk: Skeleton, st: Setting) -> list[dict]:
+    """Each group's table scalars (looked up once per group, not once per stage)."""
+    return [tables.table(k, st.micro_batch, st.sequence_parallel).scalars for k in sk.kinds]
 
 
 def _fits(tables: Tables, sk: Skeleton, memory: Sequence[float]) -> bool:
@@ -287,7 +293,7 @@ def work_floor(tables: Tables, sk: Skeleton, st: Setting, bounds: Sequence[tuple
     both take at least this)."""
     P = sk.pp
     per_rank = [0.0] * P
-    of_group = [tables.table(k, st.micro_batch, st.sequence_parallel).scalars for k in sk.kinds]
+    of_group = _scalars_of_groups(tables, sk, st)
     for j, ((a, b), mode) in enumerate(zip(bounds, recompute)):
         t = of_group[j % P]
         cbi = t["cum_backward_input"][RECOMPUTES.index(mode)]
