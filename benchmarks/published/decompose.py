@@ -238,7 +238,9 @@ def hagemann_overhead_lines(df: pd.DataFrame) -> list[str]:
     badly in some Hagemann tables? Fitted on the fitting tables, checked per table."""
     H = df[df.source.str.startswith("Hagemann")]
     fit = H[H.source.str.contains("fitting")]
-    pipelined = lambda g: (g.pp_degree > 1).to_numpy(dtype=float)   # noqa: E731
+
+    def pipelined(g: pd.DataFrame) -> np.ndarray:
+        return (g.pp_degree > 1).to_numpy(dtype=float)
     a, c = per_micro_batch_cost(fit.measured.to_numpy(), fit.predicted.to_numpy(),
                                 fit.micro_batches.to_numpy(dtype=float), pipelined(fit))
     gap = c / a
