@@ -5,11 +5,13 @@ from __future__ import annotations
 import math
 
 import numpy as np
+import pandas as pd
 import pytest
 
 import autoplan
 from autoplan.catalog import get_device
-from benchmarks.published.decompose import closing_factor, compute_split, per_micro_batch_cost
+from benchmarks.published.decompose import (closing_factor, compute_split, kernel_batch_gaps,
+                                            per_micro_batch_cost)
 from costmodel.compute import roofline_timing
 from costmodel.efficiency import default_efficiency
 
@@ -59,3 +61,25 @@ def test_per_micro_batch_cost_recovers_a_known_cost(a, c):
     measured = a * predicted + c * m * pipelined
     fit_a, fit_c = per_micro_batch_cost(measured, predicted, m, pipelined)
     assert fit_a == pytest.approx(a, rel=1e-9) and fit_c == pytest.approx(c, rel=1e-9, abs=1e-12)
+
+
+def _runs(kernel: str, fa2: bool, piped_ratio: float, flat_ratio: float, n: int = 3, table: str = "t") -> list[dict]:
+    """n pipelined and n other runs of one table and kernel at the given measured/predicted."""
+    return [dict(source="Hagemann 13B (fitting)", ref=table, kernel=kernel, fa2=fa2, trial=100 + i,
+                 pp_degree=pp, predicted=10.0, measured=10.0 * (piped_ratio if pp > 1 else flat_ratio))
+            for i in range(n) for pp in (1, 2)]
+
+
+@pytest.mark.parametrize("runs,expected", [
+    # One batch's pipelined runs slow, the other's not: the gap is the batch's.
+    (_runs("fa2", True, 1.3, 1.0) + _runs("fa1", False, 1.1, 1.1), {"fa2": 0.3, "fa1": 0.0}),
+    # Both batches' non-pipelined runs slow: the gap belongs to the configurations.
+    (_runs("fa2", True, 1.2, 1.4) + _runs("fa1", False, 1.2, 1.4), {"fa2": -0.2, "fa1": -0.2}),
+    # A table with one kernel cannot be compared: left out.
+    (_runs("fa2", True, 1.3, 1.0), {}),
+    # A kernel with too few runs of one kind is left out, and then so is its table.
+    (_runs("fa2", True, 1.3, 1.0) + _runs("fa1", False, 1.1, 1.1, n=2), {}),
+], ids=["batch-effect", "configuration-effect", "one-kernel", "too-few-runs"])
+def test_kernel_batch_gaps(runs, expected):
+    gaps = kernel_batch_gaps(pd.DataFrame(runs))
+    assert {r.kernel: round(r.gap, 9) for r in gaps.itertuples()} == pytest.approx(expected)
