@@ -167,3 +167,20 @@ def test_hagemann_runs_use_aa_scaling_s_pipeline_split(blocks, pp, expected):
     assert bounds == expected
     assert bounds[0][0] == 0 and bounds[-1][1] == model.num_layers
     assert all(a < b for a, b in bounds) and all(x[1] == y[0] for x, y in zip(bounds, bounds[1:]))
+
+
+def test_layer_check_isolates_one_block():
+    """Korthikanti Table 4's layer: the middle stage holds one block, and the settings
+    relate as the stage model says (the full recompute repeats the forward, collectives
+    included; sequence parallelism shards the replicated work)."""
+    from benchmarks.published import validate
+    rows = {r["experiment"]: r for r in validate.korthikanti_layer_rows()}
+    assert set(rows) == set(validate.KORTHIKANTI_LAYER_SETTINGS)
+    base, sp = rows["Baseline no recompute"], rows["Sequence Parallelism"]
+    full, sel = rows["Baseline with recompute"], rows["Selective Recompute"]
+    assert full["predicted_forward_ms"] == pytest.approx(base["predicted_forward_ms"])
+    assert full["predicted_backward_ms"] == pytest.approx(base["predicted_backward_ms"] + base["predicted_forward_ms"])
+    assert base["predicted_backward_ms"] < sel["predicted_backward_ms"] < full["predicted_backward_ms"]
+    assert sp["predicted_forward_ms"] < base["predicted_forward_ms"]
+    # One block of the 22B model at t = 8, micro-batch 4: milliseconds, not the whole model's seconds.
+    assert 1 < base["predicted_forward_ms"] < 50

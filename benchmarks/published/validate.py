@@ -6,7 +6,8 @@ with the published degrees, and estimated on the training stack the run used. Se
 1. **Time, public tables** (checking data only; no constant is fitted to them):
    Narayanan et al. 2021 Table 1 and Korthikanti et al. 2022 Table 5 on the
    ``megatron-lm-2021`` stack, and the other published runs under ``data/`` with their
-   own stack. Iteration-time error per row, MAPE per table.
+   own stack. Iteration-time error per row, MAPE per table; and one layer's forward and
+   backward times (Korthikanti et al. 2022 Table 4) against its stage costs.
 2. **Memory and ranking, Hagemann et al. 2023** (964 Llama runs on the ``aa-scaling``
    stack, 401 ran, 563 out of memory): fits/OOM agreement, Spearman rank correlation of
    step time and pick regret per table. The stack's loss working set is not documented
@@ -44,6 +45,7 @@ from autoplan.errors import ConfigError  # noqa: E402
 from autoplan.stacks import get_stack  # noqa: E402
 from benchmarks.published import tables  # noqa: E402
 from costmodel import estimate  # noqa: E402
+from costmodel.estimate import EstimateOptions, stage_costs  # noqa: E402
 
 DATA = Path(__file__).resolve().parent / "data"
 RESULTS = ROOT / "benchmarks" / "results"
@@ -157,6 +159,61 @@ def estimate_row(row: Row):
     return est, mb, v
 
 
+KORTHIKANTI_LAYER_SETTINGS = {
+    "Baseline no recompute": (False, "none"),
+    "Sequence Parallelism": (True, "none"),
+    "Baseline with recompute": (False, "full"),
+    "Selective Recompute": (False, "selective"),
+    "Selective + Sequence": (True, "selective"),
+}
+"""Korthikanti et al. 2022, Table 4's experiments: (sequence parallel, recompute)."""
+
+
+def korthikanti_layer_rows() -> list[dict]:
+    """Korthikanti et al. 2022, Table 4: forward and backward milliseconds of one transformer
+    layer of the 22B model (t = 8, micro-batch 4, sequence 2,048) under five settings, and
+    the same layer's per-micro-batch stage costs in the estimate (its compute, its
+    tensor-parallel collectives and its recomputation). The layer is isolated as the middle
+    stage of a three-stage pipeline over embedding + block, block, block + head."""
+    df = pd.read_csv(DATA / "korthikanti2022_table4_per_layer.csv")
+    stack = get_stack("megatron-lm-2021")
+    first = df.iloc[0]
+    model = autoplan.models.transformer(layers=3, hidden=int(first.hidden), heads=int(first.heads),
+                                        seq_len=int(first.seq_len), vocab=51200, attention=stack.spec_attention,
+                                        fused_norm=stack.fused_norm, dropout=MEGATRON_DROPOUT,
+                                        name=f"{first.model} layer")
+    cluster = autoplan.Cluster.homogeneous("A100-SXM4-80GB", nodes=3, gpus_per_node=8,
+                                           inter_node_GBps=INTER_NODE_GBPS)
+    rows = []
+    for r in df.itertuples():
+        sp, recompute = KORTHIKANTI_LAYER_SETTINGS[r.experiment]
+        plan = autoplan.Plan.uniform(model, cluster, tp=int(r.tp), pp=3, dp=1, micro_batch=int(r.micro_batch),
+                                     global_batch=3 * int(r.micro_batch), recompute=recompute,
+                                     sequence_parallel=sp).with_split([(0, 2), (2, 3), (3, 5)])
+        layer = stage_costs(model, cluster, plan, EstimateOptions(stack=stack))[1]
+        rows.append(dict(experiment=r.experiment, measured_forward_ms=float(r.forward_ms),
+                         measured_backward_ms=float(r.backward_ms), predicted_forward_ms=layer.forward * 1e3,
+                         predicted_backward_ms=layer.backward * 1e3))
+    return rows
+
+
+def layer_section() -> tuple[str, list[str]]:
+    """(summary line, table) of the per-layer check."""
+    rows = korthikanti_layer_rows()
+    lines = ["| Korthikanti 2022 Table 4 (22B layer, t=8, mb=4) | forward ms measured / predicted | "
+             "backward ms measured / predicted | (forward + backward) measured/predicted - 1 |", "|---|---:|---:|---:|"]
+    errs = []
+    for r in rows:
+        err = ((r["measured_forward_ms"] + r["measured_backward_ms"])
+               / (r["predicted_forward_ms"] + r["predicted_backward_ms"]) - 1)
+        errs.append(err)
+        lines.append(f"| {r['experiment']} | {r['measured_forward_ms']:.1f} / {r['predicted_forward_ms']:.1f} | "
+                     f"{r['measured_backward_ms']:.1f} / {r['predicted_backward_ms']:.1f} | {err:+.1%} |")
+    summary = (f"- Korthikanti 2022 T4 (one layer): forward + backward MAPE **{np.mean(np.abs(errs)):.1%}** over "
+               f"{len(errs)} settings (mean signed {np.mean(errs):+.1%})")
+    return summary, lines
+
+
 def time_section() -> tuple[list[str], dict[str, list[float]]]:
     rows = narayanan_rows() + korthikanti_rows()
     lines = ["| source | model | GPUs | t | p | d | mb | v | recompute | measured s | predicted s | "
@@ -178,11 +235,13 @@ def time_section() -> tuple[list[str], dict[str, list[float]]]:
                f"(max {np.max(np.abs(v)):.1%}; mean signed {np.mean(v):+.1%})" for src, v in errors.items()]
     allv = [e for v in errors.values() for e in v]
     summary.append(f"- all public rows: MAPE **{np.mean(np.abs(allv)):.1%}** over {len(allv)} rows")
+    layer_summary, layer_lines = layer_section()
+    summary.append(layer_summary)
     # Every other published run under data/, on the stack it ran on (benchmarks/published/tables.py).
     published = tables.report(progress=print)
     for stack, errs in published.time_errors_by_stack().items():
         by_stack.setdefault(stack, []).extend(errs)
-    return (summary + published.summary_lines() + [""] + lines
+    return (summary + published.summary_lines() + [""] + lines + [""] + layer_lines
             + ["", "### Other published runs, each on the stack it ran on", "", *published.section_lines()], by_stack)
 
 
