@@ -375,7 +375,9 @@ def preset_name(model: "ModelSpec", engine: Engine):
     preset = get_config(model.name)
     # Sequence length and kernel choices (the stack's attention kernel and norm) are not the model.
     same = dataclasses.replace(model.config, seq_len=preset.seq_len, max_positions=None, name=model.name,
-                               attention=preset.attention, fused_norm=preset.fused_norm).resolved()
+                               attention=preset.attention, fused_norm=preset.fused_norm,
+                               fused_qkv=preset.fused_qkv, fused_softmax=preset.fused_softmax,
+                               fused_dropout_add=preset.fused_dropout_add).resolved()
     return engine.presets[model.name] if same == preset else None
 
 

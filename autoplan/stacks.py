@@ -54,6 +54,15 @@ class Stack:
     fused_norm: bool = True
     """Norms run as one fused kernel saving only the half-precision input (Apex, TE, PyTorch
     >= 2.8 on CUDA); False: the eager decomposition, which saves fp32 copies."""
+    fused_qkv: bool = False
+    """The model code projects q, k and v with one GEMM (Megatron's query_key_value), so the
+    backward adds no three input gradients; False: three projections (HuggingFace, torchtitan)."""
+    fused_softmax: bool = False
+    """Explicit attention scales, masks and normalizes the scores in one kernel each way
+    (Megatron's FusedScaleMaskSoftmax); False: separate eager passes."""
+    fused_dropout_add: bool = False
+    """A residual branch's bias, dropout and add run as one kernel (Megatron's
+    bias-dropout-add fusion); False: a dropout kernel, then an add."""
     weights_bytes_per_param: float = 2.0
     """Persistent weight copy (bf16 = 2, fp32 = 4)."""
     master_weights_bytes_per_param: float = 4.0
@@ -145,6 +154,12 @@ class Stack:
     def spec_attention(self) -> str:
         """The zoo's attention implementation whose saved tensors this stack's kernel has."""
         return "math" if self.attention == "math" else "flash"
+
+    def model_kernels(self) -> dict:
+        """The model-config fields that make the zoo measure a layer as this stack runs it
+        (``TransformerConfig``'s attention and ``fused_*`` kernels)."""
+        return {"attention": self.spec_attention, "fused_norm": self.fused_norm, "fused_qkv": self.fused_qkv,
+                "fused_softmax": self.fused_softmax, "fused_dropout_add": self.fused_dropout_add}
 
     def grad_reduce_kind(self, zero: int) -> str:
         """The collective that reduces gradients over the data-parallel group at ZeRO stage

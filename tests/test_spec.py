@@ -8,6 +8,7 @@ import pytest
 import autoplan
 from autoplan.models import from_config
 from autoplan.models.presets import PUBLISHED_ACTIVE_PARAMS, PUBLISHED_PARAMS, get_config
+from autoplan.models.spec import Split
 
 
 def _closed_form_block_fwd_flops(cfg) -> float:
@@ -215,3 +216,51 @@ def test_bad_model_config_names_field(bad, field):
 def test_unknown_preset_suggests_closest():
     with pytest.raises(autoplan.ConfigError, match="llama3-8b"):
         autoplan.models.get("llama3-8")
+
+
+# One small GPT block with dropout, explicit attention: s = 32, h = 64, 4 heads, bf16 (2 bytes).
+_S, _H, _HEADS, _B = 32, 64, 4, 2
+
+
+def _block(**fused):
+    model = autoplan.models.transformer(layers=1, hidden=_H, heads=_HEADS, seq_len=_S, vocab=128, attention="math",
+                                        dropout=0.1, name="fusion-probe", **fused)
+    return model.layers[1]
+
+
+@pytest.mark.parametrize("fused,fwd_saved,bwd_saved,gemms_fewer", [
+    # Scale, mask and softmax in one kernel: the mask pass over the scores and the scaling of
+    # q go, forward (read + write of the scores, q's read + write, and building the s x s
+    # boolean mask: ones, triu's read and write, masked_fill's read) and backward (the mask
+    # pass over the scores' gradient with its read of the mask, the scaling of q's gradient).
+    (dict(fused_softmax=True),
+     Split(4 * _S * _S, 2 * _HEADS * _S * _S * _B + 2 * _S * _H * _B),
+     Split(_S * _S, 2 * _HEADS * _S * _S * _B + 2 * _S * _H * _B), 0),
+    # Dropout and residual add of both branches in one kernel each: one write and one read
+    # of each branch's dropped output go.
+    (dict(fused_dropout_add=True), Split(2 * 2 * _S * _H * _B, 0), Split(0, 0), 0),
+    # One q/k/v GEMM: two of the three forward and input-gradient GEMMs and two of the
+    # weight-gradient ones go, and the backward's two adds of input gradients (three tensors
+    # each); the split's backward concatenates the three gradients (a read and a write).
+    (dict(fused_qkv=True), Split(0, 0), Split(2 * 3 * _S * _H * _B, -2 * 3 * _S * _H * _B), 2),
+], ids=["fused-softmax", "fused-dropout-add", "fused-qkv"])
+def test_stack_fusions_remove_exactly_their_passes(fused, fwd_saved, bwd_saved, gemms_fewer):
+    plain, fusedl = _block(), _block(**fused)
+    assert fusedl.params == plain.params
+    assert plain.memory_bytes_fwd.replicated - fusedl.memory_bytes_fwd.replicated == pytest.approx(fwd_saved.replicated)
+    assert plain.memory_bytes_fwd.sharded - fusedl.memory_bytes_fwd.sharded == pytest.approx(fwd_saved.sharded)
+    assert plain.memory_bytes_bwd.replicated - fusedl.memory_bytes_bwd.replicated == pytest.approx(bwd_saved.replicated)
+    assert plain.memory_bytes_bwd.sharded - fusedl.memory_bytes_bwd.sharded == pytest.approx(bwd_saved.sharded)
+    assert len(plain.gemms_fwd) - len(fusedl.gemms_fwd) == gemms_fewer
+    # The same arithmetic: GEMM FLOPs do not change, whatever the grouping.
+    flops = lambda gemms: sum(2 * g.m * g.n * g.k * g.count for g in gemms)  # noqa: E731
+    assert flops(fusedl.gemms_fwd) == pytest.approx(flops(plain.gemms_fwd))
+    assert flops(fusedl.gemms_bwd) == pytest.approx(flops(plain.gemms_bwd))
+    assert fusedl.kernels_fwd < plain.kernels_fwd
+
+
+def test_fused_softmax_is_recomputed_with_the_core():
+    """Selective recomputation re-runs the attention core, fused kernels inside it included."""
+    for fused in ({}, dict(fused_softmax=True)):
+        block = _block(**fused)
+        assert block.core_memory_bytes_fwd.sharded >= 2 * _HEADS * _S * _S * _B   # at least the softmax's read + write

@@ -56,14 +56,14 @@ def get(source, dtype: str = "bf16", **overrides) -> ModelSpec:
 
 def for_stack(source, stack=None, dtype: str = "bf16", **overrides) -> ModelSpec:
     """The spec of ``source`` (anything :func:`get` takes) as ``stack`` runs it: a zoo or
-    HuggingFace transformer is measured with the stack's attention kernel (fused or explicit
-    softmax) and norm implementation, which decide what the layers save for the backward.
+    HuggingFace transformer is measured with the stack's kernels (attention, norm and the
+    fusions of ``Stack.model_kernels``), which decide what the layers save and move.
     A ModelSpec without an architecture config, or of another family, is used as given."""
     import dataclasses
 
     from autoplan.stacks import get_stack
     stack = get_stack(stack)
-    kernels = {"attention": stack.spec_attention, "fused_norm": stack.fused_norm}
+    kernels = stack.model_kernels()
     if isinstance(source, ModelSpec):
         cfg = source.config
         if not isinstance(cfg, TransformerConfig) or all(getattr(cfg, k) == v for k, v in kernels.items()):

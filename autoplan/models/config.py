@@ -120,6 +120,16 @@ class TransformerConfig:
     """RMSNorm runs as one fused GPU kernel saving the bf16 input and rstd (PyTorch >= 2.8 on
     CUDA, Apex, Transformer Engine); False = the eager fp32 decomposition, which saves fp32
     copies and moves more bytes."""
+    fused_qkv: bool = False
+    """q, k and v come from one GEMM (Megatron-LM's and AA-Scaling's query_key_value linear):
+    the backward has one input-gradient GEMM instead of three whose results are added.
+    Measurement only (the runtime keeps the three projections)."""
+    fused_softmax: bool = False
+    """With 'math' attention, scale, causal mask and softmax run as one kernel each way
+    (Megatron-LM's FusedScaleMaskSoftmax); False = three eager passes over the scores."""
+    fused_dropout_add: bool = False
+    """Each residual branch's dropout and add run as one kernel (Megatron-LM's
+    bias-dropout-add fusion); False = a dropout kernel, then an add."""
     dropout: float = 0.0
     """Dropout probability on both residual branches and, with 'math' attention, on the
     attention probabilities (Megatron-LM's hidden and attention dropout, GPT-2/3's 0.1).
@@ -173,7 +183,8 @@ class TransformerConfig:
             if v is not None and (not isinstance(v, int) or isinstance(v, bool)):
                 raise ConfigError(name, f"must be an integer, got {str(v)[:40]!r}")
             check_int(v, name, minimum=0 if name in ("num_experts", "top_k") else 1, maximum=top)
-        for name in ("bias", "causal", "tie_embeddings", "fused_norm"):
+        for name in ("bias", "causal", "tie_embeddings", "fused_norm", "fused_qkv", "fused_softmax",
+                     "fused_dropout_add"):
             v = getattr(c, name)
             if v is not None and not isinstance(v, bool):
                 raise ConfigError(name, f"must be true or false, got {str(v)[:40]!r}")

@@ -16,6 +16,7 @@ in those counts, so two measurements give ``replicated + sharded / t`` exactly.
 from __future__ import annotations
 
 import dataclasses
+import math
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -176,6 +177,8 @@ def _fused_kernel(*tensors: torch.Tensor):
     moved = sum(t.nbytes for t in _tensors((tensors, result)))
     for mode in _CensusMode.active:
         mode.census.memory_bytes += moved
+        if mode.in_core:   # (a fused kernel inside the attention core is recomputed with it)
+            mode.census.core_memory_bytes += moved
         mode.census.kernels += 1
 
 
@@ -243,6 +246,101 @@ class _Dropout(nn.Module):
 
     def forward(self, x):
         return _DropoutFn.apply(x, self.p)
+
+
+class _FusedDropoutAddFn(torch.autograd.Function):
+    """Dropout of a residual branch and its add to the stream as one kernel (Megatron-LM's
+    bias-dropout-add fusion, on by default): it reads the branch and the stream and writes
+    the sum and the one-byte mask. Its backward drops the branch's gradient through the mask
+    in one kernel; the stream's gradient passes through untouched."""
+
+    @staticmethod
+    def forward(ctx, x, y, p):
+        with _fused_kernel(x, y) as outputs:
+            mask = torch.empty(y.shape, dtype=torch.bool, device=y.device)
+            out = x + y * (1.0 / (1.0 - p))
+            outputs += [out, mask]
+        ctx.save_for_backward(mask)
+        ctx.scale = 1.0 / (1.0 - p)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        (mask,) = ctx.saved_tensors
+        with _fused_kernel(grad, mask) as outputs:
+            dy = grad * ctx.scale
+            outputs.append(dy)
+        return grad, dy, None
+
+
+class _FusedDropoutAdd(nn.Module):
+    def __init__(self, p: float):
+        super().__init__()
+        self.p = p
+
+    def forward(self, x, y):
+        return _FusedDropoutAddFn.apply(x, y, self.p)
+
+
+class _ScaleMaskSoftmaxFn(torch.autograd.Function):
+    """Scale, causal mask and softmax of the attention scores as one kernel each way
+    (Megatron-LM's FusedScaleMaskSoftmax, on unless --no-masked-softmax-fusion): the
+    forward reads the scores and writes the probabilities, which it saves; the backward
+    reads their gradient and the probabilities and writes the scores' gradient. The mask is
+    generated inside the kernel."""
+
+    @staticmethod
+    def forward(ctx, scores, scale, causal):
+        with _fused_kernel(scores) as outputs:
+            scaled = scores * scale
+            if causal:
+                s = scores.shape[-1]
+                future = torch.ones(s, s, dtype=torch.bool, device=scores.device).triu(1)
+                scaled = scaled.masked_fill(future, float("-inf"))
+            probs = torch.softmax(scaled, dim=-1)
+            outputs.append(probs)
+        ctx.save_for_backward(probs)
+        ctx.scale = scale
+        return probs
+
+    @staticmethod
+    def backward(ctx, grad):
+        (probs,) = ctx.saved_tensors
+        with _fused_kernel(grad, probs) as outputs:
+            d = torch.ops.aten._softmax_backward_data(grad, probs, -1, probs.dtype) * ctx.scale
+            outputs.append(d)
+        return d, None, None
+
+
+class _FusedSoftmaxCore(nn.Module):
+    """Explicit attention with the fused scale-mask-softmax (see _ScaleMaskSoftmaxFn)."""
+
+    def __init__(self, core: nn.Module):
+        super().__init__()
+        self.causal, self.scale, self.dropout = core.causal, core.scale, core.dropout
+
+    def forward(self, q, k, v):
+        from autoplan.models.zoo.transformer import repeat_kv
+        k, v = repeat_kv(k, q.shape[1]), repeat_kv(v, q.shape[1])
+        scale = self.scale if self.scale is not None else 1.0 / math.sqrt(q.shape[-1])
+        probs = _ScaleMaskSoftmaxFn.apply(q @ k.transpose(-2, -1), scale, self.causal)
+        return self.dropout(probs) @ v
+
+
+def _fuse_qkv(attention: nn.Module) -> None:
+    """Give ``attention`` one q/k/v projection in place of three (Megatron-LM's and
+    AA-Scaling's query_key_value linear): one GEMM forward, and in the backward one
+    input-gradient GEMM where three separate projections need their three gradients added."""
+    wq, wk, wv = attention.wq, attention.wk, attention.wv
+    widths = [wq.out_features, wk.out_features, wv.out_features]
+    fused = nn.Linear(wq.in_features, sum(widths), bias=wq.bias is not None,
+                      device=wq.weight.device, dtype=wq.weight.dtype)
+    del attention.wq, attention.wk, attention.wv
+    attention.wqkv = fused
+
+    def project(x):
+        return attention.wqkv(x).split(widths, dim=-1)
+    attention.project = project
 
 
 @dataclass
@@ -488,10 +586,24 @@ def _layer_spec(name: str, unit: nn.Module, base: _Measurement, wide: _Measureme
         causal=causal, experts=experts)
 
 
-def _prepare(model: nn.Module, dtype: torch.dtype, flash: bool, causal: bool,
-             fused_norm: bool = True) -> nn.Module:
-    """Put the GPU kernels' memory behaviour into the meta model (see the classes above)."""
+def _prepare(model: nn.Module, dtype: torch.dtype, flash: bool, causal: bool, cfg=None) -> nn.Module:
+    """Put the GPU kernels' memory behaviour into the meta model (see the classes above);
+    ``cfg`` says which of the stack's fused kernels to measure (its ``fused_*`` fields)."""
+    fused_norm = getattr(cfg, "fused_norm", True)
     model = model.to(dtype)
+    from autoplan.models.zoo.transformer import Attention, DropoutAdd, MathAttentionCore
+    for unit in model.layers:
+        for name, m in list(unit.named_modules()):
+            parent = unit.get_submodule(name.rsplit(".", 1)[0]) if "." in name else unit
+            attr = name.rsplit(".", 1)[-1]
+            if isinstance(m, DropoutAdd) and getattr(cfg, "fused_dropout_add", False) \
+                    and isinstance(m.dropout, nn.Dropout):
+                setattr(parent, attr, _FusedDropoutAdd(m.dropout.p))
+            elif isinstance(m, MathAttentionCore) and getattr(cfg, "fused_softmax", False) \
+                    and not m.window and not m.softcap:
+                setattr(parent, attr, _FusedSoftmaxCore(m))
+            elif isinstance(m, Attention) and getattr(cfg, "fused_qkv", False):
+                _fuse_qkv(m)
     for unit in model.layers:
         for name, m in list(unit.named_modules()):
             if isinstance(m, nn.Dropout) and m.p > 0:
@@ -548,7 +660,7 @@ def spec_from_config(cfg, dtype: str = "bf16") -> ModelSpec:
 
     def units_and_inputs(c, batch):
         with torch.device("meta"):
-            model = _prepare(build_model(c), torch_dtype, flash, causal, getattr(c, "fused_norm", True))
+            model = _prepare(build_model(c), torch_dtype, flash, causal, c)
             inputs, targets = example_inputs(c, batch, device="meta")
         if inputs.is_floating_point():
             inputs = inputs.to(torch_dtype)

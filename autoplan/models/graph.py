@@ -451,7 +451,7 @@ def _capture_config_cached(cfg, dtype: str, micro_batch: int) -> ModelGraph:
     uniform = isinstance(cfg, C.TransformerConfig)
     probe = dataclasses.replace(cfg, layers=1) if uniform else cfg
     with torch.device("meta"):
-        model = _prepare(build_model(probe), torch_dtype, flash, causal, getattr(cfg, "fused_norm", True))
+        model = _prepare(build_model(probe), torch_dtype, flash, causal, cfg)
         inputs, targets = example_inputs(probe, 1, device="meta")
     if inputs.is_floating_point():
         inputs = inputs.to(torch_dtype)

@@ -34,7 +34,7 @@ def model_of(r) -> autoplan.ModelSpec:
                             kv_heads=int(r.kv_heads), head_dim=int(r.head_dim), ffn_hidden=int(r.ffn_hidden),
                             moe_ffn_hidden=int(r.moe_ffn_hidden), num_experts=int(r.num_experts), top_k=int(r.top_k),
                             vocab=int(r.vocab), seq_len=int(r.seq_len), bias=bool(r.attention_bias))
-    return autoplan.models.get(cfg, attention=stack.spec_attention, fused_norm=stack.fused_norm)
+    return autoplan.models.get(cfg, **stack.model_kernels())
 
 
 def main() -> int:

@@ -122,7 +122,7 @@ def row_model(row: Row):
     """The model of a published Megatron-LM row, as its stack runs it."""
     stack = get_stack(row.stack)
     return autoplan.models.transformer(layers=row.layers, hidden=row.hidden, heads=row.heads, seq_len=row.seq_len,
-                                       vocab=row.vocab, attention=stack.spec_attention, fused_norm=stack.fused_norm,
+                                       vocab=row.vocab, **stack.model_kernels(),
                                        dropout=MEGATRON_DROPOUT, name=row.model)
 
 
@@ -179,8 +179,8 @@ def korthikanti_layer_rows() -> list[dict]:
     stack = get_stack("megatron-lm-2021")
     first = df.iloc[0]
     model = autoplan.models.transformer(layers=3, hidden=int(first.hidden), heads=int(first.heads),
-                                        seq_len=int(first.seq_len), vocab=51200, attention=stack.spec_attention,
-                                        fused_norm=stack.fused_norm, dropout=MEGATRON_DROPOUT,
+                                        seq_len=int(first.seq_len), vocab=51200, **stack.model_kernels(),
+                                        dropout=MEGATRON_DROPOUT,
                                         name=f"{first.model} layer")
     cluster = autoplan.Cluster.homogeneous("A100-SXM4-80GB", nodes=3, gpus_per_node=8,
                                            inter_node_GBps=INTER_NODE_GBPS)
@@ -247,11 +247,12 @@ def time_section() -> tuple[list[str], dict[str, list[float]]]:
 
 # ------------------------------------------------------------------------- Hagemann
 def hagemann_stack(kernel: str, base=None):
-    """The aa-scaling stack with one run's attention and norm kernels."""
+    """The aa-scaling stack with one run's attention and norm kernels ('fused': the explicit
+    attention's fused masked softmax, with the fused norm)."""
     base = base or get_stack("aa-scaling")
     attention = "math" if kernel in ("torch", "fused") else "flash2"
     fused_norm = "RMS" in kernel or kernel == "fused"
-    return dataclasses.replace(base, attention=attention, fused_norm=fused_norm)
+    return dataclasses.replace(base, attention=attention, fused_norm=fused_norm, fused_softmax=kernel == "fused")
 
 
 def hagemann_frame() -> pd.DataFrame:
@@ -290,11 +291,11 @@ def aa_scaling_split(model, pp: int) -> list[tuple[int, int]]:
 def _hagemann_run(r, stack, specs: dict, inter_node_GBps: float) -> tuple:
     """(model, cluster, plan) of one Hagemann run as it was configured (ZeRO-1, Megatron's
     rank order); models are shared through ``specs`` across runs of one shape and kernel."""
-    key = (r.layers, r.hidden, r.heads, r.seq_len, stack.attention, stack.fused_norm)
+    key = (r.layers, r.hidden, r.heads, r.seq_len, tuple(stack.model_kernels().items()))
     if key not in specs:
         specs[key] = autoplan.models.transformer(
             layers=int(r.layers), hidden=int(r.hidden), heads=int(r.heads), seq_len=int(r.seq_len),
-            vocab=HAGEMANN_VOCAB, arch="llama", attention=stack.spec_attention, fused_norm=stack.fused_norm)
+            vocab=HAGEMANN_VOCAB, arch="llama", **stack.model_kernels())
     model = specs[key]
     cluster = autoplan.Cluster.homogeneous("A100-SXM4-80GB", int(r.num_gpus) // 8, 8,
                                            inter_node_GBps=inter_node_GBps)

@@ -279,9 +279,14 @@ class Attention(nn.Module):
         else:
             self.core = MathAttentionCore(cfg.causal, window, cfg.attn_softcap, cfg.attn_scale, cfg.dropout)
 
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k and v of ``x`` (the cost model measures a stack that runs them as one GEMM
+        by replacing this on its meta copy)."""
+        return self.wq(x), self.wk(x), self.wv(x)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, _ = x.shape
-        q, k, v = self.wq(x), self.wk(x), self.wv(x)
+        q, k, v = self.project(x)
         if self.qk_norm == "full":
             q, k = self.q_norm(q), self.k_norm(k)
         q = q.view(b, s, -1, self.head_dim)
@@ -341,6 +346,18 @@ class TokenEmbedding(nn.Module):
         return {"tok_embeddings": "embedding"}
 
 
+class DropoutAdd(nn.Module):
+    """``x + dropout(y)``: a residual branch joining the stream (a module of its own so that
+    the cost model can measure it as the one kernel Megatron-LM fuses it into)."""
+
+    def __init__(self, p: float = 0.0):
+        super().__init__()
+        self.dropout = nn.Dropout(p) if p else nn.Identity()
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return x + self.dropout(y)
+
+
 class Block(nn.Module):
     """One transformer layer: attention then MLP (or MoE), each with a residual.
 
@@ -369,22 +386,23 @@ class Block(nn.Module):
         else:
             self.mlp = MLP(cfg.hidden, cfg.ffn_hidden, cfg.mlp, cfg.bias)
         # Megatron's hidden dropout on each residual branch (parameter-free).
-        self.dropout = nn.Dropout(cfg.dropout) if cfg.dropout else nn.Identity()
+        self.attention_residual = DropoutAdd(cfg.dropout)
+        self.mlp_residual = DropoutAdd(cfg.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ffn = self.moe if self.is_moe else self.mlp
-        drop = self.dropout
+        join_attention, join_mlp = self.attention_residual, self.mlp_residual
         if self.layout == "pre":
-            x = x + drop(self.attention(self.attention_norm(x)))
-            return x + drop(ffn(self.mlp_norm(x)))
+            x = join_attention(x, self.attention(self.attention_norm(x)))
+            return join_mlp(x, ffn(self.mlp_norm(x)))
         if self.layout == "sandwich":
-            x = x + drop(self.post_attention_norm(self.attention(self.attention_norm(x))))
-            return x + drop(self.post_mlp_norm(ffn(self.mlp_norm(x))))
+            x = join_attention(x, self.post_attention_norm(self.attention(self.attention_norm(x))))
+            return join_mlp(x, self.post_mlp_norm(ffn(self.mlp_norm(x))))
         if self.layout == "output":
-            x = x + drop(self.attention_norm(self.attention(x)))
-            return x + drop(self.mlp_norm(ffn(x)))
-        x = self.attention_norm(x + drop(self.attention(x)))
-        return self.mlp_norm(x + drop(ffn(x)))
+            x = join_attention(x, self.attention_norm(self.attention(x)))
+            return join_mlp(x, self.mlp_norm(ffn(x)))
+        x = self.attention_norm(join_attention(x, self.attention(x)))
+        return self.mlp_norm(join_mlp(x, ffn(x)))
 
     def tp_plan(self) -> TPPlan:
         ffn_name = "moe" if self.is_moe else "mlp"
