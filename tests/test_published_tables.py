@@ -184,3 +184,13 @@ def test_layer_check_isolates_one_block():
     assert sp["predicted_forward_ms"] < base["predicted_forward_ms"]
     # One block of the 22B model at t = 8, micro-batch 4: milliseconds, not the whole model's seconds.
     assert 1 < base["predicted_forward_ms"] < 50
+
+
+def test_layer_check_sets_the_step_beyond_its_layers_against_the_model():
+    """Table 5's one-node rows of the same model: the step less its layers, measured and
+    predicted, for each setting Table 4 also timed (full recompute; selective + SP)."""
+    from benchmarks.published import validate
+    steps = [(row, validate.estimate_row(row)[0]) for row in validate.korthikanti_rows() if row.gpus == row.tp]
+    assert {(r.recompute, r.sequence_parallel) for r, _ in steps} == {("full", False), ("selective", True)}
+    _, lines = validate.layer_section(steps)
+    assert lines[-1].startswith("Beyond its layers") and lines[-1].count("measured") == 3

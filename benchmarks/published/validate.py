@@ -197,8 +197,10 @@ def korthikanti_layer_rows() -> list[dict]:
     return rows
 
 
-def layer_section() -> tuple[str, list[str]]:
-    """(summary line, table) of the per-layer check."""
+def layer_section(steps: list[tuple] = ()) -> tuple[str, list[str]]:
+    """(summary line, table) of the per-layer check. ``steps``: (row, estimate) of Table 5
+    rows of the same model, whose step beyond its layers (embedding, head, loss, optimizer:
+    the step less its layers' measured or predicted times) is set against the model's."""
     rows = korthikanti_layer_rows()
     lines = ["| Korthikanti 2022 Table 4 (22B layer, t=8, mb=4) | forward ms measured / predicted | "
              "backward ms measured / predicted | (forward + backward) measured/predicted - 1 |", "|---|---:|---:|---:|"]
@@ -211,6 +213,20 @@ def layer_section() -> tuple[str, list[str]]:
                      f"{r['measured_backward_ms']:.1f} / {r['predicted_backward_ms']:.1f} | {err:+.1%} |")
     summary = (f"- Korthikanti 2022 T4 (one layer): forward + backward MAPE **{np.mean(np.abs(errs)):.1%}** over "
                f"{len(errs)} settings (mean signed {np.mean(errs):+.1%})")
+    by_setting = {KORTHIKANTI_LAYER_SETTINGS[r["experiment"]]: r for r in rows}
+    beyond = []
+    for row, est in steps:
+        layer = by_setting.get((row.sequence_parallel, row.recompute))
+        if layer is None:
+            continue
+        measured = row.measured_time_s - row.layers * (layer["measured_forward_ms"] + layer["measured_backward_ms"]) / 1e3
+        predicted = est.iteration_time_s - row.layers * (layer["predicted_forward_ms"]
+                                                         + layer["predicted_backward_ms"]) / 1e3
+        beyond.append(f"{row.recompute}{' + SP' if row.sequence_parallel else ''}: {measured:.3f} s measured, "
+                      f"{predicted:.3f} s predicted")
+    if beyond:
+        lines += ["", "Beyond its layers (Table 5's rows of this model, one node: no pipeline, no data parallelism; "
+                      "the step less its layers' times, measured per Table 4 or predicted): " + "; ".join(beyond) + "."]
     return summary, lines
 
 
@@ -220,8 +236,11 @@ def time_section() -> tuple[list[str], dict[str, list[float]]]:
              "measured/predicted - 1 | fits | predicted MFU |", "|" + "---|" * 14]
     errors: dict[str, list[float]] = {}
     by_stack: dict[str, list[float]] = {}
+    steps = []   # (Table 5's one-node rows, beside the per-layer check)
     for row in rows:
         est, mb, v = estimate_row(row)
+        if row.source.startswith("Korthikanti") and row.gpus == row.tp:
+            steps.append((row, est))
         err = row.measured_time_s / est.iteration_time_s - 1
         errors.setdefault(row.source, []).append(err)
         by_stack.setdefault(row.stack, []).append(err)
@@ -235,7 +254,7 @@ def time_section() -> tuple[list[str], dict[str, list[float]]]:
                f"(max {np.max(np.abs(v)):.1%}; mean signed {np.mean(v):+.1%})" for src, v in errors.items()]
     allv = [e for v in errors.values() for e in v]
     summary.append(f"- all public rows: MAPE **{np.mean(np.abs(allv)):.1%}** over {len(allv)} rows")
-    layer_summary, layer_lines = layer_section()
+    layer_summary, layer_lines = layer_section(steps)
     summary.append(layer_summary)
     # Every other published run under data/, on the stack it ran on (benchmarks/published/tables.py).
     published = tables.report(progress=print)
