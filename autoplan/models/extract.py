@@ -218,16 +218,23 @@ class _FusedRMSNorm(nn.Module):
 class _DropoutFn(torch.autograd.Function):
     """Dropout as CUDA runs it (``native_dropout``): one kernel that keeps a one-byte bool
     mask for the backward. On meta, ``native_dropout`` returns its mask in the input's
-    dtype, which would count two bytes per element."""
+    dtype, which would count two bytes per element.
+
+    With ``residual``, the dropout and the add of the branch to the residual stream are one
+    kernel (Megatron-LM's bias-dropout-add fusion): it also reads the stream, and the stream's
+    gradient passes through untouched."""
 
     @staticmethod
-    def forward(ctx, x, p):
-        with _fused_kernel(x) as outputs:
+    def forward(ctx, x, p, residual=None):
+        with _fused_kernel(*((x,) if residual is None else (residual, x))) as outputs:
             mask = torch.empty(x.shape, dtype=torch.bool, device=x.device)
             out = x * (1.0 / (1.0 - p))
+            if residual is not None:
+                out = residual + out
             outputs += [out, mask]
         ctx.save_for_backward(mask)
         ctx.scale = 1.0 / (1.0 - p)
+        ctx.has_residual = residual is not None
         return out
 
     @staticmethod
@@ -236,7 +243,7 @@ class _DropoutFn(torch.autograd.Function):
         with _fused_kernel(grad, mask) as outputs:
             dx = grad * ctx.scale
             outputs.append(dx)
-        return dx, None
+        return dx, None, (grad if ctx.has_residual else None)
 
 
 class _Dropout(nn.Module):
@@ -248,38 +255,15 @@ class _Dropout(nn.Module):
         return _DropoutFn.apply(x, self.p)
 
 
-class _FusedDropoutAddFn(torch.autograd.Function):
-    """Dropout of a residual branch and its add to the stream as one kernel (Megatron-LM's
-    bias-dropout-add fusion, on by default): it reads the branch and the stream and writes
-    the sum and the one-byte mask. Its backward drops the branch's gradient through the mask
-    in one kernel; the stream's gradient passes through untouched."""
-
-    @staticmethod
-    def forward(ctx, x, y, p):
-        with _fused_kernel(x, y) as outputs:
-            mask = torch.empty(y.shape, dtype=torch.bool, device=y.device)
-            out = x + y * (1.0 / (1.0 - p))
-            outputs += [out, mask]
-        ctx.save_for_backward(mask)
-        ctx.scale = 1.0 / (1.0 - p)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        (mask,) = ctx.saved_tensors
-        with _fused_kernel(grad, mask) as outputs:
-            dy = grad * ctx.scale
-            outputs.append(dy)
-        return grad, dy, None
-
-
 class _FusedDropoutAdd(nn.Module):
+    """``x + dropout(y)`` in the one kernel of _DropoutFn with a residual."""
+
     def __init__(self, p: float):
         super().__init__()
         self.p = p
 
     def forward(self, x, y):
-        return _FusedDropoutAddFn.apply(x, y, self.p)
+        return _DropoutFn.apply(y, self.p, x)
 
 
 class _ScaleMaskSoftmaxFn(torch.autograd.Function):
