@@ -570,40 +570,37 @@ def _layer_spec(name: str, unit: nn.Module, base: _Measurement, wide: _Measureme
         causal=causal, experts=experts)
 
 
+def _swap(unit: nn.Module, name: str, module: nn.Module) -> None:
+    """Put ``module`` in place of ``unit``'s submodule ``name``."""
+    parent, _, attr = name.rpartition(".")
+    setattr(unit.get_submodule(parent) if parent else unit, attr, module)
+
+
 def _prepare(model: nn.Module, dtype: torch.dtype, flash: bool, causal: bool, cfg=None) -> nn.Module:
     """Put the GPU kernels' memory behaviour into the meta model (see the classes above);
     ``cfg`` says which of the stack's fused kernels to measure (its ``fused_*`` fields)."""
-    fused_norm = getattr(cfg, "fused_norm", True)
-    model = model.to(dtype)
     from autoplan.models.zoo.transformer import Attention, DropoutAdd, MathAttentionCore
+
+    def fused(kernel: str) -> bool:
+        return getattr(cfg, kernel, kernel == "fused_norm")   # (norms are fused unless told)
+    model = model.to(dtype)
     for unit in model.layers:
+        # The stack's own fusions first: the dropout a fused core keeps is then replaced
+        # below like any other.
         for name, m in list(unit.named_modules()):
-            parent = unit.get_submodule(name.rsplit(".", 1)[0]) if "." in name else unit
-            attr = name.rsplit(".", 1)[-1]
-            if isinstance(m, DropoutAdd) and getattr(cfg, "fused_dropout_add", False) \
-                    and isinstance(m.dropout, nn.Dropout):
-                setattr(parent, attr, _FusedDropoutAdd(m.dropout.p))
-            elif isinstance(m, MathAttentionCore) and getattr(cfg, "fused_softmax", False) \
-                    and not m.window and not m.softcap:
-                setattr(parent, attr, _FusedSoftmaxCore(m))
-            elif isinstance(m, Attention) and getattr(cfg, "fused_qkv", False):
+            if isinstance(m, DropoutAdd) and fused("fused_dropout_add") and isinstance(m.dropout, nn.Dropout):
+                _swap(unit, name, _FusedDropoutAdd(m.dropout.p))
+            elif isinstance(m, MathAttentionCore) and fused("fused_softmax") and not m.window and not m.softcap:
+                _swap(unit, name, _FusedSoftmaxCore(m))
+            elif isinstance(m, Attention) and fused("fused_qkv"):
                 _fuse_qkv(m)
-    for unit in model.layers:
         for name, m in list(unit.named_modules()):
             if isinstance(m, nn.Dropout) and m.p > 0:
-                parent = unit.get_submodule(name.rsplit(".", 1)[0]) if "." in name else unit
-                setattr(parent, name.rsplit(".", 1)[-1], _Dropout(m.p))
-    for unit in (model.layers if fused_norm else ()):
-        for name, m in list(unit.named_modules()):
-            if isinstance(m, nn.RMSNorm) and m.weight is not None:
-                parent = unit.get_submodule(name.rsplit(".", 1)[0]) if "." in name else unit
-                setattr(parent, name.rsplit(".", 1)[-1], _FusedRMSNorm(m))
-    if flash:
-        for unit in model.layers:
-            for name, m in list(unit.named_modules()):
-                if name.endswith("attention.core"):
-                    parent = unit.get_submodule(name.rsplit(".", 1)[0])
-                    parent.core = _FlashCore(causal)
+                _swap(unit, name, _Dropout(m.p))
+            elif isinstance(m, nn.RMSNorm) and m.weight is not None and fused("fused_norm"):
+                _swap(unit, name, _FusedRMSNorm(m))
+            elif flash and name.endswith("attention.core"):
+                _swap(unit, name, _FlashCore(causal))
     return model
 
 
