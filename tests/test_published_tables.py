@@ -40,7 +40,7 @@ def test_every_entry_is_a_row_or_says_why_not(name, built):
 FIRST_ROWS = {
     "Megatron-LM 2024 H100": 0, "Llama 3 Table 4": 0, "MegaScale 175B": 0, "torchtitan benchmarks": 0,
     "torchtitan docs/performance": 0, "BLOOM 176B run": 0, "BLOOM topology sweep": 0, "Narayanan 2021 T2": 0,
-    "MT-NLG 530B (secondary)": 0, "AMP GPT-2 trials": 0,
+    "MT-NLG 530B (secondary)": 0, "AMP GPT-2 trials": 0, "llm-foundry MPT on A100": 0,
 }
 
 
@@ -61,6 +61,26 @@ def test_builders_produce_valid_plans(name, built):
             if row.split:
                 assert [s.start for s in plan.stages] + [plan.stages[-1].end] == list(row.split)
 
+
+
+# The MPT blocks as llm-foundry builds them (biases, learned positions as long as the
+# sequence, a tied head): the source's own parameter count of each size, at two lengths.
+MPT_PARAMS = [
+    ("MPT-125m", 512, 124_131_840), ("MPT-125m", 65536, 174_070_272), ("MPT-1b", 2048, 1_315_950_592),
+    ("MPT-7b", 2048, 6_658_859_008), ("MPT-30b", 8192, 30_019_254_272),
+]
+
+
+@pytest.mark.parametrize("model,seq_len,params", MPT_PARAMS)
+def test_llm_foundry_models_have_the_sources_parameter_counts(model, seq_len, params, built):
+    row = next(e for e in built["llm-foundry MPT on A100"]
+               if isinstance(e, T.PublishedRow) and e.model == model and e.seq_len == seq_len)
+    assert T.model_for(row, get_stack(row.stack)).num_params == params
+
+
+def test_llm_foundry_pure_16_bit_runs_are_listed_not_guessed(built):
+    skipped = [e for e in built["llm-foundry MPT on A100"] if isinstance(e, T.Skipped)]
+    assert skipped and all("pure" in e.reason for e in skipped)
 
 SKIPPED_ONLY = ["Megatron-LM Llama3 FP8 example", "Megatron-Bridge DGX-H100", "DeepSpeed Azure ZeRO-3 (low confidence)"]
 
