@@ -23,10 +23,12 @@ from autoplan.units import GiB, MiB
 
 STACK_DIR = Path(__file__).parent / "data" / "stacks"
 SCHEMA_VERSION = 1
-ATTENTION_KERNELS = ("math", "flash2", "flash3")
-"""'math': explicit softmax(QK^T)V (saves the s x s probabilities); 'flash2': a fused kernel of
-FlashAttention-2's class (PyTorch SDPA, FlashAttention-2); 'flash3': Hopper-specific fused
-kernels (FlashAttention-3, cuDNN / Transformer Engine), FlashAttention-2 speed elsewhere."""
+ATTENTION_KERNELS = ("math", "flash1", "flash2", "flash3")
+"""'math': explicit softmax(QK^T)V (saves the s x s probabilities); 'flash1': a fused kernel of
+FlashAttention's first generation (FlashAttention up to 1.0, its Triton port), half
+FlashAttention-2's speed; 'flash2': a fused kernel of FlashAttention-2's class (PyTorch SDPA,
+FlashAttention-2); 'flash3': Hopper-specific fused kernels (FlashAttention-3, cuDNN /
+Transformer Engine), FlashAttention-2 speed elsewhere."""
 GRAD_COLLECTIVES = ("reduce_scatter", "all_reduce")
 """Collectives a ZeRO-1/2 data-parallel group may reduce its gradients with."""
 DEFAULT_STACK = "autoplan"

@@ -11,6 +11,10 @@ Sources of the defaults:
   backward (median, seq >= 2048); elementwise kernels move 0.87 of HBM bandwidth.
   FlashAttention-3 reaches 0.6-0.75 of the H100's peak forward (Shah et al. 2024, Fig. 5)
   and about 0.5 backward; cuDNN / Transformer Engine kernels are of that class.
+* Kernels of FlashAttention's first generation (FlashAttention up to 1.0, its Triton port)
+  run at half the speed of FlashAttention-2's class on every device: FlashAttention-2 is
+  "around 2x" faster, FlashAttention reaching 25-40% of the A100's peak forward where
+  FlashAttention-2 reaches 50-73% (Dao 2023, arXiv:2307.08691, abstract).
 * A100: cuBLAS bf16 GEMMs of transformer shapes reach ~80% of 312 TFLOP/s; FlashAttention-2
   (Dao 2023, Fig. 4-5) 50-73% forward, ~60% backward at head dim 128.
 * V100 / T4 / MI: vendor GEMM efficiency; the T4's 70 W power limit holds its sustained
@@ -53,11 +57,18 @@ class Efficiency:
     """... and backward; 0 = as attention_bwd."""
 
     def attention(self, kernel: str) -> tuple[float, float]:
-        """(forward, backward) efficiency of a fused attention kernel class ('flash2' or
-        'flash3'; see autoplan.stacks.ATTENTION_KERNELS)."""
+        """(forward, backward) efficiency of a fused attention kernel class ('flash1', 'flash2'
+        or 'flash3'; see autoplan.stacks.ATTENTION_KERNELS)."""
         if kernel == "flash3" and self.flash3_fwd:
             return self.flash3_fwd, self.flash3_bwd or self.attention_bwd
+        if kernel == "flash1":
+            return self.attention_fwd / FLASH1_SLOWDOWN, self.attention_bwd / FLASH1_SLOWDOWN
         return self.attention_fwd, self.attention_bwd
+
+
+FLASH1_SLOWDOWN = 2.0
+"""How many times slower a first-generation FlashAttention kernel runs than FlashAttention-2's
+class (Dao 2023, abstract: "around 2x"; see the module docstring)."""
 
 
 _BY_FAMILY = {

@@ -249,6 +249,24 @@ def test_stack_kernels_change_what_the_model_saves():
     assert math.layers[block].activation_bytes["none"].total > 1.5 * flash.layers[block].activation_bytes["none"].total
 
 
+
+@pytest.mark.parametrize("device", ["A100-80GB", "H100"])
+def test_first_generation_flash_attention_runs_at_half_the_speed(device):
+    # Same layers, same memory: only the fused attention's time doubles (Dao 2023: FlashAttention-2
+    # is about twice as fast as FlashAttention).
+    from costmodel.compute import roofline_parts
+    from costmodel.efficiency import default_efficiency
+    from autoplan.catalog import get_device
+    model = autoplan.models.transformer(layers=1, hidden=512, heads=4, seq_len=4096, vocab=1000)
+    dev = get_device(device)
+    eff = default_efficiency(dev.name)
+    parts = {k: roofline_parts(dev, eff, model.layers[1], 2, 1, False, "bf16", k) for k in ("flash1", "flash2")}
+    assert parts["flash1"]["attention"] == pytest.approx(2 * parts["flash2"]["attention"], rel=1e-12)
+    assert parts["flash1"]["gemm"] == parts["flash2"]["gemm"] and parts["flash1"]["attention"] > 0
+    stack = dataclasses.replace(get_stack("torchtitan"), attention="flash1")
+    assert stack.model_kernels() == get_stack("torchtitan").model_kernels()   # (saves what flash2 saves)
+
+
 def test_dropout_masks_are_measured():
     base = dict(layers=2, hidden=256, heads=4, seq_len=256, vocab=1000, attention="math")
     plain = autoplan.models.transformer(**base)

@@ -18,9 +18,10 @@ from costmodel.efficiency import default_efficiency
 
 @pytest.mark.parametrize("attention,tp,micro_batch", [
     ("math", 1, 1),
+    ("flash1", 1, 2),
     ("flash2", 2, 2),
     ("flash3", 4, 1),
-], ids=["explicit-attention", "flash2-tp2-mb2", "flash3-tp4"])
+], ids=["explicit-attention", "flash1-mb2", "flash2-tp2-mb2", "flash3-tp4"])
 def test_compute_split_adds_up_to_the_roofline(attention, tp, micro_batch):
     model = autoplan.models.transformer(layers=1, hidden=128, heads=2, seq_len=64, vocab=256,
                                         attention="math" if attention == "math" else "flash")

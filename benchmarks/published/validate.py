@@ -267,9 +267,11 @@ def time_section() -> tuple[list[str], dict[str, list[float]]]:
 # ------------------------------------------------------------------------- Hagemann
 def hagemann_stack(kernel: str, base=None):
     """The aa-scaling stack with one run's attention and norm kernels ('fused': the explicit
-    attention's fused masked softmax, with the fused norm)."""
+    attention's fused masked softmax, with the fused norm; FlashAttention 1.0.8: the 'flash1'
+    class)."""
     base = base or get_stack("aa-scaling")
-    attention = "math" if kernel in ("torch", "fused") else "flash2"
+    attention = ("math" if kernel in ("torch", "fused")
+                 else "flash1" if kernel.startswith("flash_attentionv1") else "flash2")
     fused_norm = "RMS" in kernel or kernel == "fused"
     return dataclasses.replace(base, attention=attention, fused_norm=fused_norm, fused_softmax=kernel == "fused")
 
