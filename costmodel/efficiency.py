@@ -12,9 +12,10 @@ Sources of the defaults:
   FlashAttention-3 reaches 0.6-0.75 of the H100's peak forward (Shah et al. 2024, Fig. 5)
   and about 0.5 backward; cuDNN / Transformer Engine kernels are of that class.
 * Kernels of FlashAttention's first generation (FlashAttention up to 1.0, its Triton port)
-  run at half the speed of FlashAttention-2's class on every device: FlashAttention-2 is
-  "around 2x" faster, FlashAttention reaching 25-40% of the A100's peak forward where
-  FlashAttention-2 reaches 50-73% (Dao 2023, arXiv:2307.08691, abstract).
+  run at half the speed of FlashAttention-2's class: FlashAttention-2 is "around 2x"
+  faster, FlashAttention reaching 25-40% of the A100's peak forward where FlashAttention-2
+  reaches 50-73% (Dao 2023, arXiv:2307.08691, abstract). Measured on A100; other devices are
+  assumed alike (on H100 the published llm-foundry rows suggest a smaller gap).
 * A100: cuBLAS bf16 GEMMs of transformer shapes reach ~80% of 312 TFLOP/s; FlashAttention-2
   (Dao 2023, Fig. 4-5) 50-73% forward, ~60% backward at head dim 128.
 * V100 / T4 / MI: vendor GEMM efficiency; the T4's 70 W power limit holds its sustained

@@ -40,7 +40,7 @@ def test_every_entry_is_a_row_or_says_why_not(name, built):
 FIRST_ROWS = {
     "Megatron-LM 2024 H100": 0, "Llama 3 Table 4": 0, "MegaScale 175B": 0, "torchtitan benchmarks": 0,
     "torchtitan docs/performance": 0, "BLOOM 176B run": 0, "BLOOM topology sweep": 0, "Narayanan 2021 T2": 0,
-    "MT-NLG 530B (secondary)": 0, "AMP GPT-2 trials": 0, "llm-foundry MPT on A100": 0,
+    "MT-NLG 530B (secondary)": 0, "AMP GPT-2 trials": 0, "llm-foundry MPT": 0,
 }
 
 
@@ -73,14 +73,14 @@ MPT_PARAMS = [
 
 @pytest.mark.parametrize("model,seq_len,params", MPT_PARAMS)
 def test_llm_foundry_models_have_the_sources_parameter_counts(model, seq_len, params, built):
-    row = next(e for e in built["llm-foundry MPT on A100"]
+    row = next(e for e in built["llm-foundry MPT"]
                if isinstance(e, T.PublishedRow) and e.model == model and e.seq_len == seq_len)
     assert T.model_for(row, get_stack(row.stack)).num_params == params
 
 
-def test_llm_foundry_pure_16_bit_runs_are_listed_not_guessed(built):
-    skipped = [e for e in built["llm-foundry MPT on A100"] if isinstance(e, T.Skipped)]
-    assert skipped and all("pure" in e.reason for e in skipped)
+def test_llm_foundry_runs_it_cannot_rebuild_are_listed_not_guessed(built):
+    skipped = [e for e in built["llm-foundry MPT"] if isinstance(e, T.Skipped)]
+    assert skipped and all("pure" in e.reason or "network" in e.reason for e in skipped)
 
 SKIPPED_ONLY = ["Megatron-LM Llama3 FP8 example", "Megatron-Bridge DGX-H100", "DeepSpeed Azure ZeRO-3 (low confidence)"]
 

@@ -520,34 +520,41 @@ def torchtitan_docs() -> list:
     return out
 
 
-LLM_FOUNDRY_NOTE = ("MosaicML A100 nodes: 8 GPUs on NVLink; 1600 Gbit/s RoCE per node = 25 GB/s per GPU between "
-                    "nodes (source)")
+LLM_FOUNDRY_NOTE = ("MosaicML nodes of 8 GPUs on NVLink; A100 nodes: 1600 Gbit/s RoCE per node = 25 GB/s per GPU "
+                    "between nodes (source)")
+LLM_FOUNDRY = "llm-foundry MPT"
 
 
 def llm_foundry() -> list:
-    """MosaicML llm-foundry's MPT throughput tables on A100 (Composer, PyTorch FSDP FULL_SHARD):
-    GPT-style blocks with biases, learned positions and a tied head (the table's parameter
-    counts match these shapes exactly), triton FlashAttention, low-precision LayerNorm."""
+    """MosaicML llm-foundry's MPT throughput tables (Composer, PyTorch FSDP): GPT-style blocks
+    with biases, learned positions and a tied head (the table's parameter counts match these
+    shapes exactly), Triton FlashAttention, low-precision LayerNorm."""
     out = []
-    for r in _read("llmfoundry_2023_a100_fsdp.csv").itertuples():
-        gpu = "A100-SXM4-80GB" if r.gpu == "a100_80gb" else "A100-SXM4-40GB"
+    for r in _read("llmfoundry_2023_2024_fsdp.csv").itertuples():
+        gpu = {"a100_80gb": "A100-SXM4-80GB", "a100_40gb": "A100-SXM4-40GB", "h100_80gb": "H100-SXM5-80GB"}[r.gpu]
         ref = (f"{r.gpu}: {r.model}, seq {int(r.seq_len)}, {int(r.num_gpus)} GPUs, micro-batch {int(r.micro_batch)} "
                f"x {int(r.grad_accum)}")
+        reason = None
         if r.fsdp_mixed_precision != "DEFAULT":
-            out.append(Skipped("llm-foundry MPT on A100", ref,
-                               f"pure {r.precision} training ({r.fsdp_mixed_precision}: 16-bit parameters, "
-                               "gradients and optimizer states, no fp32 master weights) is not a stack described here"))
+            reason = (f"pure {r.precision} training ({r.fsdp_mixed_precision}: 16-bit parameters, gradients and "
+                      "optimizer states, no fp32 master weights) is not a stack described here")
+        elif gpu.startswith("H100") and int(r.num_gpus) > 8:
+            reason = "the network between the H100 nodes is not stated"
+        if reason:
+            out.append(Skipped(LLM_FOUNDRY, ref, reason))
             continue
         out.append(PublishedRow(
-            source="llm-foundry MPT on A100", ref=ref, model=r.model, layers=int(r.layers), hidden=int(r.hidden),
+            source=LLM_FOUNDRY, ref=ref, model=r.model, layers=int(r.layers), hidden=int(r.hidden),
             heads=int(r.heads), ffn_hidden=int(r.ffn_hidden), seq_len=int(r.seq_len), vocab=int(r.vocab),
             tie_embeddings=True, cluster=nodes_of(gpu, int(r.num_gpus), 25.0), cluster_note=LLM_FOUNDRY_NOTE,
             tp=1, pp=1, dp=int(r.num_gpus), global_batch=int(r.global_batch), micro_batch=int(r.micro_batch),
-            recompute="full" if str(r.activation_checkpointing) == "True" else "none", zero=3, stack="torchtitan",
+            recompute="full" if str(r.activation_checkpointing) == "True" else "none",
+            zero=2 if r.sharding == "SHARD_GRAD_OP" else 3, stack="torchtitan",
             # MPT's attn_impl 'triton' is flash-attn 1.x's Triton port: the first generation's class.
             stack_overrides=dict(attention="flash1"),
             measured_time_s=float(r.iter_time_s_derived), time_note="derived: global batch tokens / tokens per s",
-            confidence="high (table); medium (stack)", note="Triton FlashAttention (attention class flash1)"))
+            confidence="high (table); medium (stack)", group=gpu.split("-")[0],
+            note="Triton FlashAttention (attention class flash1)"))
     return out
 
 BLOOM_NOTE = ("Jean Zay A100 80GB, 8 per node on NVLink; 4 Omni-Path 100 Gbit/s links per node = 6.25 GB/s "
@@ -741,7 +748,7 @@ SOURCES: tuple[Source, ...] = (
            "FlashAttention-2)"),
     Source("torchtitan benchmarks", torchtitan_benchmarks, "torchtitan"),
     Source("torchtitan docs/performance", torchtitan_docs, "torchtitan"),
-    Source("llm-foundry MPT on A100", llm_foundry, "torchtitan",
+    Source(LLM_FOUNDRY, llm_foundry, "torchtitan",
            "the nearest shipped stack to Composer's FSDP with amp_bf16 and DEFAULT mixed precision (fp32 sharded "
            "parameters and Adam states, bf16 compute). Not matched: MPT's loss is flash-attn's fused cross entropy "
            "on the bf16 logits (no fp32 copy; the stack's loss keeps 14 B per logit at its peak), so the "
