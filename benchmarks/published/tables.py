@@ -549,12 +549,9 @@ def llm_foundry() -> list:
             tie_embeddings=True, cluster=nodes_of(gpu, int(r.num_gpus), 25.0), cluster_note=LLM_FOUNDRY_NOTE,
             tp=1, pp=1, dp=int(r.num_gpus), global_batch=int(r.global_batch), micro_batch=int(r.micro_batch),
             recompute="full" if str(r.activation_checkpointing) == "True" else "none",
-            zero=2 if r.sharding == "SHARD_GRAD_OP" else 3, stack="torchtitan",
-            # MPT's attn_impl 'triton' is flash-attn 1.x's Triton port: the first generation's class.
-            stack_overrides=dict(attention="flash1"),
+            zero=2 if r.sharding == "SHARD_GRAD_OP" else 3, stack="llm-foundry",
             measured_time_s=float(r.iter_time_s_derived), time_note="derived: global batch tokens / tokens per s",
-            confidence="high (table); medium (stack)", group=gpu.split("-")[0],
-            note="Triton FlashAttention (attention class flash1)"))
+            confidence="high", group=gpu.split("-")[0]))
     return out
 
 BLOOM_NOTE = ("Jean Zay A100 80GB, 8 per node on NVLink; 4 Omni-Path 100 Gbit/s links per node = 6.25 GB/s "
@@ -748,13 +745,7 @@ SOURCES: tuple[Source, ...] = (
            "FlashAttention-2)"),
     Source("torchtitan benchmarks", torchtitan_benchmarks, "torchtitan"),
     Source("torchtitan docs/performance", torchtitan_docs, "torchtitan"),
-    Source(LLM_FOUNDRY, llm_foundry, "torchtitan",
-           "the nearest shipped stack to Composer's FSDP with amp_bf16 and DEFAULT mixed precision (fp32 sharded "
-           "parameters and Adam states, bf16 compute). Not matched: MPT's loss is flash-attn's fused cross entropy "
-           "on the bf16 logits (no fp32 copy; the stack's loss keeps 14 B per logit at its peak), so the "
-           "predicted-to-fit count is no check of memory; the 2023 Composer may have gathered fp32 parameters and "
-           "reduced in bf16. MPT's Triton FlashAttention is of FlashAttention's first generation (class "
-           "flash1)"),
+    Source(LLM_FOUNDRY, llm_foundry, "llm-foundry"),
     Source("BLOOM 176B run", bloom_run, "megatron-deepspeed"),
     Source("BLOOM topology sweep", bloom_sweep, "megatron-deepspeed",
            "the stack describes the BF16 optimizer the sweep used from 02-28 on; the earlier rows kept 2-byte "
