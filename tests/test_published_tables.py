@@ -62,7 +62,6 @@ def test_builders_produce_valid_plans(name, built):
                 assert [s.start for s in plan.stages] + [plan.stages[-1].end] == list(row.split)
 
 
-
 # The MPT blocks as llm-foundry builds them (biases, learned positions as long as the
 # sequence, a tied head): the source's own parameter count of each size, at two lengths.
 MPT_PARAMS = [
@@ -81,6 +80,7 @@ def test_llm_foundry_models_have_the_sources_parameter_counts(model, seq_len, pa
 def test_llm_foundry_runs_it_cannot_rebuild_are_listed_not_guessed(built):
     skipped = [e for e in built["llm-foundry MPT"] if isinstance(e, T.Skipped)]
     assert skipped and all("pure" in e.reason or "network" in e.reason for e in skipped)
+
 
 SKIPPED_ONLY = ["Megatron-LM Llama3 FP8 example", "Megatron-Bridge DGX-H100", "DeepSpeed Azure ZeRO-3 (low confidence)"]
 

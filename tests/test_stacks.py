@@ -8,9 +8,12 @@ import json
 import pytest
 
 import autoplan
+from autoplan.catalog import get_device
 from autoplan.errors import ConfigError
 from autoplan.stacks import _FILE_KEYS, STACK_DIR, TARGET_STACKS, Stack, get_stack, stack_names
 from costmodel import EstimateOptions
+from costmodel.compute import roofline_parts
+from costmodel.efficiency import default_efficiency
 from costmodel.uncertainty import error_bands
 from costmodel.memory import loss_logits, model_state_bytes
 from tests.helpers import uniform_model
@@ -249,14 +252,10 @@ def test_stack_kernels_change_what_the_model_saves():
     assert math.layers[block].activation_bytes["none"].total > 1.5 * flash.layers[block].activation_bytes["none"].total
 
 
-
 @pytest.mark.parametrize("device", ["A100-80GB", "H100"])
 def test_first_generation_flash_attention_runs_at_half_the_speed(device):
     # Same layers, same memory: only the fused attention's time doubles (Dao 2023: FlashAttention-2
     # is about twice as fast as FlashAttention).
-    from costmodel.compute import roofline_parts
-    from costmodel.efficiency import default_efficiency
-    from autoplan.catalog import get_device
     model = autoplan.models.transformer(layers=1, hidden=512, heads=4, seq_len=4096, vocab=1000)
     dev = get_device(device)
     eff = default_efficiency(dev.name)

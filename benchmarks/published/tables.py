@@ -554,6 +554,7 @@ def llm_foundry() -> list:
             confidence="high", group=gpu.split("-")[0]))
     return out
 
+
 BLOOM_NOTE = ("Jean Zay A100 80GB, 8 per node on NVLink; 4 Omni-Path 100 Gbit/s links per node = 6.25 GB/s "
               "per GPU (source)")
 BLOOM_GBPS = 4 * 100 * Gbit / 8 / GB
