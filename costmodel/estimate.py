@@ -314,6 +314,12 @@ def stage_costs(model: ModelSpec, cluster: Cluster, plan: Plan, options: Estimat
             scatter = experts.grad_reduce_time(cluster, dp_groups, edp_groups, dense * stack.grad_reduce_bytes_per_param,
                                                expert_local * stack.grad_reduce_bytes_per_param, "reduce_scatter")
             fwd = max(fwd, gather)
+            # The copies around the collectives run on the compute stream.
+            copy = max((dense + expert_local) * stack.zero3_copy_bytes_per_param
+                       / (d.memory_bandwidth * default_efficiency(d.name).memory)
+                       for d in _group_devices(cluster, group.ranks))
+            bwd_i += copy
+            bwd += copy
             extra = max(0.0, gather + scatter - bwd)
             bwd_i += extra
             bwd += extra

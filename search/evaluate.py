@@ -226,6 +226,8 @@ class _GroupFigures:
             gather = collective(*colls[0])
             scatter = collective(*colls[1])
             fwd = max(fwd, gather)
+            # (ZeRO-3's copies run on the compute stream: costmodel.estimate.stage_costs.)
+            bi += params * tables.zero3_copy_rate(sk.kinds[g].pool)   # (params: the rank's own, experts / ep)
             bi += max(0.0, gather + scatter - (bi + bw))
         elif colls:
             reduce = collective(*colls[0])

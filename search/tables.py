@@ -459,6 +459,12 @@ class Tables:
                 dev.memory_bandwidth * default_efficiency(dev.name).memory)
         return hit
 
+    def zero3_copy_rate(self, pool: int) -> float:
+        """Seconds per parameter of ZeRO-3's copies on a device of this pool
+        (``Stack.zero3_copy_bytes_per_param``)."""
+        dev = self.cluster.groups[pool].device
+        return self.stack.zero3_copy_bytes_per_param / (dev.memory_bandwidth * default_efficiency(dev.name).memory)
+
     def step_overhead(self, pool: int) -> float:
         """A calibration's fixed host seconds per step on a device of this pool."""
         cal = self.options.calibration
