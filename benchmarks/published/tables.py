@@ -534,24 +534,20 @@ def llm_foundry() -> list:
         gpu = {"a100_80gb": "A100-SXM4-80GB", "a100_40gb": "A100-SXM4-40GB", "h100_80gb": "H100-SXM5-80GB"}[r.gpu]
         ref = (f"{r.gpu}: {r.model}, seq {int(r.seq_len)}, {int(r.num_gpus)} GPUs, micro-batch {int(r.micro_batch)} "
                f"x {int(r.grad_accum)}")
-        reason = None
-        if r.fsdp_mixed_precision != "DEFAULT":
-            reason = (f"pure {r.precision} training ({r.fsdp_mixed_precision}: 16-bit parameters, gradients and "
-                      "optimizer states, no fp32 master weights) is not a stack described here")
-        elif gpu.startswith("H100") and int(r.num_gpus) > 8:
-            reason = "the network between the H100 nodes is not stated"
-        if reason:
-            out.append(Skipped(LLM_FOUNDRY, ref, reason))
+        if gpu.startswith("H100") and int(r.num_gpus) > 8:
+            out.append(Skipped(LLM_FOUNDRY, ref, "the network between the H100 nodes is not stated"))
             continue
+        # precision bf16 with FSDP mixed_precision PURE: 16-bit parameters, gradients and moments.
+        pure = (r.precision, r.fsdp_mixed_precision) == ("bf16", "PURE")
         out.append(PublishedRow(
             source=LLM_FOUNDRY, ref=ref, model=r.model, layers=int(r.layers), hidden=int(r.hidden),
             heads=int(r.heads), ffn_hidden=int(r.ffn_hidden), seq_len=int(r.seq_len), vocab=int(r.vocab),
             tie_embeddings=True, cluster=nodes_of(gpu, int(r.num_gpus), 25.0), cluster_note=LLM_FOUNDRY_NOTE,
             tp=1, pp=1, dp=int(r.num_gpus), global_batch=int(r.global_batch), micro_batch=int(r.micro_batch),
             recompute="full" if str(r.activation_checkpointing) == "True" else "none",
-            zero=2 if r.sharding == "SHARD_GRAD_OP" else 3, stack="llm-foundry",
+            zero=2 if r.sharding == "SHARD_GRAD_OP" else 3, stack="llm-foundry-pure-bf16" if pure else "llm-foundry",
             measured_time_s=float(r.iter_time_s_derived), time_note="derived: global batch tokens / tokens per s",
-            confidence="high", group=gpu.split("-")[0]))
+            confidence="high", group=gpu.split("-")[0] + (" pure bf16" if pure else "")))
     return out
 
 
@@ -746,7 +742,8 @@ SOURCES: tuple[Source, ...] = (
            "FlashAttention-2)"),
     Source("torchtitan benchmarks", torchtitan_benchmarks, "torchtitan"),
     Source("torchtitan docs/performance", torchtitan_docs, "torchtitan"),
-    Source(LLM_FOUNDRY, llm_foundry, "llm-foundry"),
+    Source(LLM_FOUNDRY, llm_foundry, "llm-foundry / llm-foundry-pure-bf16",
+           "amp_bf16 runs (FSDP mixed precision DEFAULT) on llm-foundry, bf16 runs with PURE on llm-foundry-pure-bf16"),
     Source("BLOOM 176B run", bloom_run, "megatron-deepspeed"),
     Source("BLOOM topology sweep", bloom_sweep, "megatron-deepspeed",
            "the stack describes the BF16 optimizer the sweep used from 02-28 on; the earlier rows kept 2-byte "
