@@ -77,9 +77,12 @@ class Stack:
     """Bytes per parameter of the full weights ZeRO-3 gathers for the unit being run."""
     zero3_copy_bytes_per_param: float = 0.0
     """Memory traffic per parameter of a stage, every micro-batch, that ZeRO-3 adds on the
-    compute stream besides its collectives (FSDP copies gathered weights out to the
-    parameters and gradients into the reduce-scatter buffer, casting them); charged to the
-    backward, where the compute can still hide the collectives behind it. 0: none."""
+    compute stream besides its collectives (FSDP2 copies gathered weights out to the
+    parameters and gradients into the reduce-scatter buffer), charged to the backward."""
+    zero3_stream_copy_bytes_per_param: float = 0.0
+    """The same on the communication stream, beside the collectives it serves and hidden
+    behind compute as they are (FSDP1's gradient cast and pre-divide, DeepSpeed's bucket
+    copies)."""
     weight_cast_bytes_per_param: float = 0.0
     """Half-precision copies of the weights made for every micro-batch in flight (autocast's
     cast of fp32 weights, saved for the backward); 0 when weights are already half precision."""

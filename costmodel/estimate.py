@@ -314,13 +314,15 @@ def stage_costs(model: ModelSpec, cluster: Cluster, plan: Plan, options: Estimat
             scatter = experts.grad_reduce_time(cluster, dp_groups, edp_groups, dense * stack.grad_reduce_bytes_per_param,
                                                expert_local * stack.grad_reduce_bytes_per_param, "reduce_scatter")
             fwd = max(fwd, gather)
-            # The copies around the collectives run on the compute stream.
-            copy = max((dense + expert_local) * stack.zero3_copy_bytes_per_param
-                       / (d.memory_bandwidth * default_efficiency(d.name).memory)
-                       for d in _group_devices(cluster, group.ranks))
+            # The copies around the collectives: on the compute stream, and beside the
+            # collectives on theirs.
+            per_byte = max(1.0 / (d.memory_bandwidth * default_efficiency(d.name).memory)
+                           for d in _group_devices(cluster, group.ranks))
+            copy = (dense + expert_local) * stack.zero3_copy_bytes_per_param * per_byte
+            beside = (dense + expert_local) * stack.zero3_stream_copy_bytes_per_param * per_byte
             bwd_i += copy
             bwd += copy
-            extra = max(0.0, gather + scatter - bwd)
+            extra = max(0.0, gather + scatter + beside - bwd)
             bwd_i += extra
             bwd += extra
             reduce = 0.0

@@ -226,9 +226,11 @@ class _GroupFigures:
             gather = collective(*colls[0])
             scatter = collective(*colls[1])
             fwd = max(fwd, gather)
-            # (ZeRO-3's copies run on the compute stream: costmodel.estimate.stage_costs.)
-            bi += params * tables.zero3_copy_rate(sk.kinds[g].pool)   # (params: the rank's own, experts / ep)
-            bi += max(0.0, gather + scatter - (bi + bw))
+            # (ZeRO-3's copies, as costmodel.estimate.stage_costs charges them; params: the
+            # rank's own, experts / ep.)
+            on_compute, beside = tables.zero3_copy_rates(sk.kinds[g].pool)
+            bi += params * on_compute
+            bi += max(0.0, gather + scatter + params * beside - (bi + bw))
         elif colls:
             reduce = collective(*colls[0])
         send_f = send_b = 0.0

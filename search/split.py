@@ -102,8 +102,9 @@ class Splitter:
             gather = self.tables.dp_collective(group, params * stack.gathered_weights_bytes_per_param, "all_gather")
             scatter = self.tables.dp_collective(group, params * stack.grad_reduce_bytes_per_param, "reduce_scatter")
             f2 = np.maximum(fwd, gather)
-            b = bi + bw[None] + (params * self.tables.zero3_copy_rate(kind.pool))[None]
-            cost = f2[None] + b + np.maximum(0.0, (gather + scatter)[None] - b)
+            on_compute, beside = self.tables.zero3_copy_rates(kind.pool)
+            b = bi + bw[None] + (params * on_compute)[None]
+            cost = f2[None] + b + np.maximum(0.0, (gather + scatter + params * beside)[None] - b)
         n = t.units + 1
         upper = np.triu(np.ones((n, n), dtype=bool), 1)
         cost = np.where(upper[None], cost, INF)

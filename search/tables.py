@@ -459,11 +459,14 @@ class Tables:
                 dev.memory_bandwidth * default_efficiency(dev.name).memory)
         return hit
 
-    def zero3_copy_rate(self, pool: int) -> float:
-        """Seconds per parameter of ZeRO-3's copies on a device of this pool
-        (``Stack.zero3_copy_bytes_per_param``)."""
+    def zero3_copy_rates(self, pool: int) -> tuple[float, float]:
+        """Seconds per parameter of ZeRO-3's copies on a device of this pool: those on the
+        compute stream and those beside the collectives (``Stack.zero3_copy_bytes_per_param``,
+        ``Stack.zero3_stream_copy_bytes_per_param``)."""
         dev = self.cluster.groups[pool].device
-        return self.stack.zero3_copy_bytes_per_param / (dev.memory_bandwidth * default_efficiency(dev.name).memory)
+        per_byte = 1.0 / (dev.memory_bandwidth * default_efficiency(dev.name).memory)
+        return (self.stack.zero3_copy_bytes_per_param * per_byte,
+                self.stack.zero3_stream_copy_bytes_per_param * per_byte)
 
     def step_overhead(self, pool: int) -> float:
         """A calibration's fixed host seconds per step on a device of this pool."""

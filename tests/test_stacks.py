@@ -176,32 +176,39 @@ def test_all_reducing_zero1_stack_pays_twice_the_gradient_traffic():
 
 
 
-@pytest.mark.parametrize("zero,copy_bytes", [(3, 14.0), (3, 0.0), (1, 14.0)],
-                         ids=["zero3-fsdp-copies", "zero3-no-copies", "zero1-gathers-nothing"])
-def test_zero3_copies_run_on_the_compute_stream(zero, copy_bytes):
-    """ZeRO-3's copies around its collectives (Stack.zero3_copy_bytes_per_param) lengthen the
-    backward by the stage's parameters times those bytes at HBM speed, in the estimate and in
-    the search's figures alike; without ZeRO-3 there are none."""
+@pytest.mark.parametrize("zero,field,copy_bytes", [
+    (3, "zero3_copy_bytes_per_param", 14.0),
+    (3, "zero3_stream_copy_bytes_per_param", 14.0),
+    (1, "zero3_copy_bytes_per_param", 14.0),
+], ids=["zero3-compute-stream", "zero3-beside-collectives", "zero1-gathers-nothing"])
+def test_zero3_copies_follow_their_stream(zero, field, copy_bytes):
+    """ZeRO-3's copies (Stack.zero3_copy_bytes_per_param) lengthen the backward by the stage's
+    parameters times those bytes at HBM speed where they run on the compute stream; beside the
+    collectives (zero3_stream_copy_bytes_per_param) they hide behind compute as the collectives
+    do. The estimate and the search's figures agree; without ZeRO-3 there are none."""
     from costmodel.estimate import stage_costs
     from search.evaluate import Setting, Skeleton, analyze
     from search.tables import Kind, Tables
     model = uniform_model(4, flops=1e13, params=5e8)
     cluster = autoplan.Cluster.homogeneous("A100-80GB", 1, 8)
     plan = autoplan.Plan.uniform(model, cluster, tp=1, pp=1, dp=8, micro_batch=1, global_batch=8, zero=zero)
-    base = dataclasses.replace(get_stack("torchtitan"), zero3_copy_bytes_per_param=0.0)
+    base = dataclasses.replace(get_stack("torchtitan"), zero3_copy_bytes_per_param=0.0,
+                               zero3_stream_copy_bytes_per_param=0.0)
     backward = {}
     for bytes_ in (0.0, copy_bytes):
-        options = EstimateOptions(stack=dataclasses.replace(base, zero3_copy_bytes_per_param=bytes_))
+        options = EstimateOptions(stack=dataclasses.replace(base, **{field: bytes_}))
         backward[bytes_] = stage_costs(model, cluster, plan, options)[0].backward
         sk = Skeleton(groups=plan.groups, kinds=(Kind(0, 1, 1, plan.cp_comm, 1),))
         st = Setting(1, plan.num_micro_batches, plan.schedule, 1, zero, False)
         _, figs = analyze(Tables(model, cluster, options=options), sk, st, [(0, model.num_layers)], ["none"])
         assert figs[0].backward == pytest.approx(backward[bytes_], rel=1e-9)
     device = cluster.groups[0].device
+    on_compute = zero >= 3 and field == "zero3_copy_bytes_per_param"
     expected = model.num_params * copy_bytes / (device.memory_bandwidth * default_efficiency(device.name).memory) \
-        if zero >= 3 else 0.0
-    # (The compute covers this model's collectives, so the copies add exactly their own time.)
+        if on_compute else 0.0
+    # (This model's compute covers its collectives and the copies beside them.)
     assert backward[copy_bytes] - backward[0.0] == pytest.approx(expected, rel=1e-9, abs=1e-12)
+
 
 @pytest.mark.parametrize("host_us,host_bound", [(0.0, False), (0.001, False), (5000.0, True)],
                          ids=["no-host-cost", "host-keeps-ahead", "host-bound"])
