@@ -168,8 +168,8 @@ class Stack:
     def model_kernels(self) -> dict:
         """The model-config fields that make the zoo measure a layer as this stack runs it
         (``TransformerConfig``'s attention and ``fused_*`` kernels)."""
-        return {"attention": self.spec_attention, "fused_norm": self.fused_norm, "fused_qkv": self.fused_qkv,
-                "fused_softmax": self.fused_softmax, "fused_dropout_add": self.fused_dropout_add}
+        from autoplan.models.config import FUSED_KERNELS
+        return {"attention": self.spec_attention, **{k: getattr(self, k) for k in FUSED_KERNELS}}
 
     def grad_reduce_kind(self, zero: int) -> str:
         """The collective that reduces gradients over the data-parallel group at ZeRO stage

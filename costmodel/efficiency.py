@@ -95,3 +95,9 @@ def default_efficiency(device_name: str) -> Efficiency:
         if upper.startswith(prefix):
             return eff
     return Efficiency()
+
+
+def achieved_memory_bandwidth(device) -> float:
+    """Bytes per second a bandwidth-bound pass (optimizer step, copies) moves on ``device``:
+    its HBM bandwidth at the family's memory efficiency."""
+    return device.memory_bandwidth * default_efficiency(device.name).memory

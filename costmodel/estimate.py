@@ -18,7 +18,7 @@ from costmodel.calibration import Calibration
 from costmodel.comm import collective_time, p2p_time
 from costmodel.compute import ProfileSource, layer_timing
 from costmodel.context import context_shard, stage_exchange
-from costmodel.efficiency import default_efficiency
+from costmodel.efficiency import achieved_memory_bandwidth, default_efficiency
 from costmodel.memory import (DEFAULT_MEMORY_MARGIN, GroupMemory, activation_bytes, group_memory,
                               model_state_bytes, optimizer_step_bytes, transient_bytes)
 from costmodel.redistribute import layout_comm
@@ -316,10 +316,9 @@ def stage_costs(model: ModelSpec, cluster: Cluster, plan: Plan, options: Estimat
             fwd = max(fwd, gather)
             # The copies around the collectives: on the compute stream, and beside the
             # collectives on theirs.
-            per_byte = max(1.0 / (d.memory_bandwidth * default_efficiency(d.name).memory)
-                           for d in _group_devices(cluster, group.ranks))
-            copy = (dense + expert_local) * stack.zero3_copy_bytes_per_param * per_byte
-            beside = (dense + expert_local) * stack.zero3_stream_copy_bytes_per_param * per_byte
+            bandwidth = min(achieved_memory_bandwidth(d) for d in _group_devices(cluster, group.ranks))
+            copy = (dense + expert_local) * stack.zero3_copy_bytes_per_param / bandwidth
+            beside = (dense + expert_local) * stack.zero3_stream_copy_bytes_per_param / bandwidth
             bwd_i += copy
             bwd += copy
             extra = max(0.0, gather + scatter + beside - bwd)
@@ -365,7 +364,7 @@ def _optimizer_time(model: ModelSpec, cluster: Cluster, plan: Plan, g: int, stac
     layers = [l for s in plan.stages if s.group == g for l in model.layers[s.start:s.end]]
     params, sharded = experts.state_params(layers, group.tp, plan.ep)
     shard = sharded / (group.dp * group.cp) if plan.zero >= 1 else params
-    step = max(shard * stack.optimizer_traffic_bytes_per_param / (d.memory_bandwidth * default_efficiency(d.name).memory)
+    step = max(shard * stack.optimizer_traffic_bytes_per_param / achieved_memory_bandwidth(d)
                for d in _group_devices(cluster, group.ranks))
     if calibration is not None:
         step += max((c.step_overhead_s for d in _group_devices(cluster, group.ranks)

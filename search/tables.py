@@ -24,7 +24,7 @@ from costmodel import experts
 from costmodel.comm import collective_time, p2p_time
 from costmodel.compute import layer_timing
 from costmodel.context import context_shard, stage_exchange
-from costmodel.efficiency import default_efficiency
+from costmodel.efficiency import achieved_memory_bandwidth
 from costmodel.estimate import EstimateOptions, device_timing_inputs
 from costmodel.memory import activation_bytes, transient_bytes
 from costmodel.redistribute import layout_comm
@@ -455,18 +455,17 @@ class Tables:
         hit = self._opt_rate.get(pool)
         if hit is None:
             dev = self.cluster.groups[pool].device
-            hit = self._opt_rate[pool] = self.stack.optimizer_traffic_bytes_per_param / (
-                dev.memory_bandwidth * default_efficiency(dev.name).memory)
+            hit = self._opt_rate[pool] = (self.stack.optimizer_traffic_bytes_per_param
+                                          / achieved_memory_bandwidth(dev))
         return hit
 
     def zero3_copy_rates(self, pool: int) -> tuple[float, float]:
         """Seconds per parameter of ZeRO-3's copies on a device of this pool: those on the
         compute stream and those beside the collectives (``Stack.zero3_copy_bytes_per_param``,
         ``Stack.zero3_stream_copy_bytes_per_param``)."""
-        dev = self.cluster.groups[pool].device
-        per_byte = 1.0 / (dev.memory_bandwidth * default_efficiency(dev.name).memory)
-        return (self.stack.zero3_copy_bytes_per_param * per_byte,
-                self.stack.zero3_stream_copy_bytes_per_param * per_byte)
+        bandwidth = achieved_memory_bandwidth(self.cluster.groups[pool].device)
+        return (self.stack.zero3_copy_bytes_per_param / bandwidth,
+                self.stack.zero3_stream_copy_bytes_per_param / bandwidth)
 
     def step_overhead(self, pool: int) -> float:
         """A calibration's fixed host seconds per step on a device of this pool."""

@@ -30,6 +30,11 @@ NORM_LAYOUTS = ("pre", "post", "sandwich", "output")
 QK_NORMS = ("none", "head", "full")
 
 
+FUSED_KERNELS = ("fused_norm", "fused_qkv", "fused_softmax", "fused_dropout_add")
+"""The TransformerConfig fields that say which fused kernels the training stack runs (with
+``attention``, the stack's choices rather than the model's: see Stack.model_kernels)."""
+
+
 @dataclass(frozen=True)
 class TransformerConfig:
     """A decoder-only (GPT, Llama, MoE) or encoder-only (BERT) transformer."""
@@ -183,8 +188,7 @@ class TransformerConfig:
             if v is not None and (not isinstance(v, int) or isinstance(v, bool)):
                 raise ConfigError(name, f"must be an integer, got {str(v)[:40]!r}")
             check_int(v, name, minimum=0 if name in ("num_experts", "top_k") else 1, maximum=top)
-        for name in ("bias", "causal", "tie_embeddings", "fused_norm", "fused_qkv", "fused_softmax",
-                     "fused_dropout_add"):
+        for name in ("bias", "causal", "tie_embeddings", *FUSED_KERNELS):
             v = getattr(c, name)
             if v is not None and not isinstance(v, bool):
                 raise ConfigError(name, f"must be true or false, got {str(v)[:40]!r}")
