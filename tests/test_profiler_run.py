@@ -22,7 +22,7 @@ from autoplan.profiler import ProfileStore, profile
 from autoplan.profiler import runner as runner_mod
 from autoplan.profiler.progress import Progress
 from autoplan.profiler.shapes import spec_from_dict
-from autoplan.profiler.timing import RepeatPolicy
+from autoplan.profiler.timing import RepeatPolicy, repeat_timed
 from autoplan.profiler.validate import check_model
 
 # A machine shared with other jobs: time the measuring thread's CPU and read the first
@@ -276,6 +276,20 @@ CLI_ERRORS = [
 def test_cli_errors(argv, message, capsys, tmp_path):
     assert main(argv + ["--out", str(tmp_path)]) == 2
     assert message in capsys.readouterr().err
+
+
+
+@pytest.mark.parametrize("readings,kept", [
+    ([1e-4, 2e-4, 3e-4], [1e-4, 2e-4, 3e-4]),
+    ([1e-4, 0.0, 2e-4, 3e-4], [1e-4, 2e-4, 3e-4]),
+    ([0.0, 0.0, 1e-4, -1e-9, 2e-4, 3e-4], [1e-4, 2e-4, 3e-4]),
+], ids=["clean", "one-zero-reading", "zero-and-negative-readings"])
+def test_clock_glitches_are_timed_again(readings, kept):
+    """A step that reads no time at all (the CPU clock's glitch) is not a sample: the step is
+    timed again, so a minimum never comes out 0, which no profile file may hold."""
+    it = iter(readings)
+    policy = RepeatPolicy(warmup=0, repeats=3, min_time_s=0.0)
+    assert repeat_timed(policy, lambda: {"forward": next(it)}) == {"forward": kept}
 
 
 def test_autoplan_profile_is_the_profiler():

@@ -324,9 +324,15 @@ def repeat_timed(policy: RepeatPolicy, step) -> dict[str, list[float]]:
         step()
         n += 1
     samples: dict[str, list[float]] = {}
-    spent, n = 0.0, 0
+    spent, n, glitches = 0.0, 0, 0
     while n < policy.repeats or (spent < policy.min_time_s and n < policy.max_repeats):
         got = step()
+        if any(not v > 0 for v in got.values()) and glitches < policy.max_repeats:
+            # No work takes no time: a zero reading is the CPU clock's glitch (seen once in a
+            # long while with the thread clock), and kept it would be the minimum, a time the
+            # profile file cannot hold. The step is timed again instead.
+            glitches += 1
+            continue
         for k, v in got.items():
             samples.setdefault(k, []).append(v)
         spent += sum(got.values())
