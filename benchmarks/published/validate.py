@@ -199,7 +199,7 @@ def korthikanti_layer_rows() -> list[dict]:
     return rows
 
 
-def layer_section(steps: list[tuple] = ()) -> tuple[str, list[str]]:
+def layer_section(steps: list[tuple]) -> tuple[str, list[str]]:
     """(summary line, table) of the per-layer check. ``steps``: (row, estimate) of Table 5
     rows of the same model, whose step beyond its layers (embedding, head, loss, optimizer:
     the step less its layers' measured or predicted times) is set against the model's."""
