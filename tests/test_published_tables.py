@@ -36,24 +36,29 @@ def test_every_entry_is_a_row_or_says_why_not(name, built):
             get_stack(e.stack)
 
 
-# The first checking row of every source that has one (one model spec each keeps this fast).
-FIRST_ROWS = {
-    "Megatron-LM 2024 H100": 0, "Llama 3 Table 4": 0, "MegaScale 175B": 0, "torchtitan benchmarks": 0,
-    "torchtitan docs/performance": 0, "BLOOM 176B run": 0, "BLOOM topology sweep": 0, "Narayanan 2021 T2": 0,
-    "MT-NLG 530B (secondary)": 0, "AMP GPT-2 trials": 0, "llm-foundry MPT": 0,
+# The first checking row of every source that has one (one model spec each keeps this fast),
+# and the rows that exercise a degree the first rows do not: (source, index among its rows).
+ROWS = {
+    **{name: (name, 0) for name in (
+        "Megatron-LM 2024 H100", "Llama 3 Table 4", "MegaScale 175B", "torchtitan benchmarks",
+        "torchtitan docs/performance", "BLOOM 176B run", "BLOOM topology sweep", "Narayanan 2021 T2",
+        "MT-NLG 530B (secondary)", "AMP GPT-2 trials", "llm-foundry MPT")},
+    "Llama 3 Table 4, context parallelism 16": ("Llama 3 Table 4", 2),
 }
 
 
-@pytest.mark.parametrize("name", list(FIRST_ROWS))
-def test_builders_produce_valid_plans(name, built):
-    row = [e for e in built[name] if isinstance(e, T.PublishedRow)][FIRST_ROWS[name]]
+@pytest.mark.parametrize("case", list(ROWS))
+def test_builders_produce_valid_plans(case, built):
+    name, index = ROWS[case]
+    row = [e for e in built[name] if isinstance(e, T.PublishedRow)][index]
     model = T.model_for(row, get_stack(row.stack))
     candidates = T.candidate_plans(row, model)
     assert candidates, f"no plan for {row.ref}"
     for choice, plans in candidates:
         for plan in plans:
             plan.validate(model, row.cluster)
-            assert (plan.tp, plan.pp, plan.dp) == (row.tp, row.pp, row.dp)
+            assert (plan.tp, plan.cp, plan.pp, plan.dp) == (row.tp, row.cp, row.pp, row.dp)
+            assert plan.cp_comm == row.cp_comm
             assert plan.global_batch == row.global_batch
             assert plan.num_gpus == row.gpus
             if row.micro_batch:
