@@ -92,6 +92,22 @@ class Stack:
     optimizer_traffic_bytes_per_param: float = 42.0
     """Memory traffic of one optimizer step per local parameter, gradient-norm and clipping
     passes included (bandwidth-bound: it sets the step's time)."""
+    fp8_linears: bool = False
+    """The blocks' linear layers run their three GEMMs (forward, input gradient, weight
+    gradient) in fp8 with dynamic scaling (torchao's Float8Linear, Transformer Engine): at the
+    device's fp8 peak, plus the casts below. Attention, norms, the LM head, expert matmuls,
+    communication and saved activations stay in the plan's dtype."""
+    fp8_cast_bytes_per_activation: float = 0.0
+    """Memory traffic per element of an fp8 linear's input (forward) and of its output
+    gradient (backward) to scale it and write the fp8 copies its GEMMs read."""
+    fp8_cast_bytes_per_weight: float = 0.0
+    """Memory traffic per element of an fp8 linear's weight, every micro-batch, to scale it and
+    write its fp8 copies for the forward and the backward (charged to the forward)."""
+    fp8_cast_kernels_per_activation: float = 0.0
+    """Kernels that scale and cast one fp8 linear's input, or its output gradient (each costs
+    at least a launch, which decides small layers)."""
+    fp8_cast_kernels_per_weight: float = 0.0
+    """Kernels that scale and cast one fp8 linear's weight, every micro-batch."""
     activation_scale: float = 1.0
     """Saved activations of the stack's own model code over the zoo's measured ones (1 where
     the zoo's layers save what the stack's layers save; fitted, with the data named in
@@ -155,10 +171,26 @@ class Stack:
         if self.sharded_grad_collective not in GRAD_COLLECTIVES:
             raise ConfigError(f"stack {self.name}.sharded_grad_collective",
                               f"{self.sharded_grad_collective!r} is not one of {list(GRAD_COLLECTIVES)}")
+        if not self.fp8_linears:
+            for name in ("fp8_cast_bytes_per_activation", "fp8_cast_bytes_per_weight",
+                         "fp8_cast_kernels_per_activation", "fp8_cast_kernels_per_weight"):
+                if getattr(self, name):
+                    raise ConfigError(f"stack {self.name}.{name}", "is set but fp8_linears is false",
+                                      "set fp8_linears to true, or drop the fp8 cast figures")
         if self.allocator_fragmentation >= 1:
             raise ConfigError(f"stack {self.name}.allocator_fragmentation",
                               f"must be < 1, got {self.allocator_fragmentation}")
         return self
+
+    @property
+    def fp8_cast(self) -> tuple[float, float, float, float] | None:
+        """The fp8 linears' casts: (bytes per activation element, per weight element, kernels
+        per activation, per weight); None when the linears run in the plan's dtype (see
+        ``costmodel.compute``)."""
+        if not self.fp8_linears:
+            return None
+        return (self.fp8_cast_bytes_per_activation, self.fp8_cast_bytes_per_weight,
+                self.fp8_cast_kernels_per_activation, self.fp8_cast_kernels_per_weight)
 
     @property
     def spec_attention(self) -> str:

@@ -69,64 +69,99 @@ def gemm_time(device: DeviceSpec, eff: Efficiency, m: float, n: float, k: float,
     k_eff = k_slice / (k_slice + eff.k_half)
     t_compute = flops / (device.peak(dtype) * eff.matmul * util * k_eff)
     elem = DTYPE_BYTES[dtype]
-    traffic = (m * k + k * n + m * n) * elem + (split - 1) * m * n * 4 * 2   # fp32 partials written and read
+    out = 2 if dtype == "fp8" else elem   # (fp8 GEMMs write their output in bf16)
+    traffic = (m * k + k * n) * elem + m * n * out + (split - 1) * m * n * 4 * 2   # fp32 partials written and read
     t_memory = traffic * count / (device.memory_bandwidth * eff.memory)
     return max(t_compute, t_memory)
 
 
 def _gemms_time(device, eff, gemms: tuple[Gemm, ...], micro_batch: int, tp: int, dtype: str,
-                select=lambda g: True, ep: int = 1, load: float = 1.0) -> float:
+                select=lambda g: True, ep: int = 1, load: float = 1.0, fp8: bool = False) -> float:
+    """Seconds of the selected GEMMs; with ``fp8``, those of linear layers (see
+    :func:`_fp8_gemm`) at the device's fp8 rate and the others in ``dtype``."""
     total = 0.0
     for g in gemms:
         if select(g):
-            total += gemm_time(device, eff, *g.shape(micro_batch, tp, ep, load), dtype)
+            total += gemm_time(device, eff, *g.shape(micro_batch, tp, ep, load),
+                               "fp8" if fp8 and _fp8_gemm(g) else dtype)
     return total
 
 
+def _fp8_gemm(g: Gemm) -> bool:
+    """A linear layer's GEMM, the kind fp8 training converts (Float8Linear, TE's Linear):
+    not attention's batched products, not a grouped expert matmul."""
+    return g.batch_dim != "count" and not g.expert
+
+
+def _fp8_casts(layer: LayerSpec, micro_batch: int, tp: int, fp8_cast: tuple) -> tuple[float, float, float, float]:
+    """(forward bytes, backward bytes, forward kernels, backward kernels) of the casts the fp8
+    linears add: each one's input and weight before its forward GEMM, its output gradient
+    before its backward GEMMs (``Stack.fp8_cast``)."""
+    per_activation, per_weight, kernels_activation, kernels_weight = fp8_cast
+    fwd = bwd = 0.0
+    linears = 0
+    for g in layer.gemms_fwd:
+        if _fp8_gemm(g):
+            m, n, k, count = g.shape(micro_batch, tp)
+            fwd += (m * k * per_activation + k * n * per_weight) * count
+            bwd += m * n * per_activation * count
+            linears += 1
+    return fwd, bwd, linears * (kernels_activation + kernels_weight), linears * kernels_activation
+
+
 def _roofline_terms(device: DeviceSpec, eff: Efficiency, layer: LayerSpec, micro_batch: int, tp: int,
-                    sequence_parallel: bool, dtype: str, attention: str, ep: int, load: float) -> tuple[float, ...]:
+                    sequence_parallel: bool, dtype: str, attention: str, ep: int, load: float,
+                    fp8_cast: tuple | None = None) -> tuple[float, ...]:
     """Seconds of one layer's roofline by kind of work: (GEMMs forward, weight-gradient GEMMs,
     input-gradient GEMMs, fused attention forward, backward, bandwidth-bound kernels forward,
-    backward, launches forward, backward)."""
+    backward, launches forward, backward). ``fp8_cast``: the blocks' linears run in fp8
+    (``Stack.fp8_cast``), their casts counted with the bandwidth-bound kernels."""
     b, sp = micro_batch, sequence_parallel
     peak = device.peak(dtype)
     causal = (0.5 if layer.causal else 1.0) * layer.attention_fraction
     bw = device.memory_bandwidth * eff.memory
     att_fwd, att_bwd = eff.attention(attention)
-    return (_gemms_time(device, eff, layer.gemms_fwd, b, tp, dtype, ep=ep, load=load),
-            _gemms_time(device, eff, layer.gemms_bwd, b, tp, dtype, lambda g: g.batch_dim == "k", ep, load),
-            _gemms_time(device, eff, layer.gemms_bwd, b, tp, dtype, lambda g: g.batch_dim != "k", ep, load),
+    # (The LM head stays in the plan's dtype: torchtitan's float8 converter and Megatron's
+    # output layer leave it out.)
+    fp8 = fp8_cast is not None and layer.kind == "block"
+    cast_f, cast_b, kernels_f, kernels_b = _fp8_casts(layer, b, tp, fp8_cast) if fp8 else (0.0, 0.0, 0, 0)
+    return (_gemms_time(device, eff, layer.gemms_fwd, b, tp, dtype, ep=ep, load=load, fp8=fp8),
+            _gemms_time(device, eff, layer.gemms_bwd, b, tp, dtype, lambda g: g.batch_dim == "k", ep, load, fp8),
+            _gemms_time(device, eff, layer.gemms_bwd, b, tp, dtype, lambda g: g.batch_dim != "k", ep, load, fp8),
             layer.attention_flops_fwd.at(tp) * b * causal / (peak * att_fwd),
             layer.attention_flops_bwd.at(tp) * b * causal / (peak * att_bwd),
-            layer.memory_bytes_fwd.at(tp, sp) * b / bw, layer.memory_bytes_bwd.at(tp, sp) * b / bw,
-            layer.kernels_fwd * eff.launch_s, layer.kernels_bwd * eff.launch_s)
+            (layer.memory_bytes_fwd.at(tp, sp) * b + cast_f) / bw, (layer.memory_bytes_bwd.at(tp, sp) * b + cast_b) / bw,
+            (layer.kernels_fwd + kernels_f) * eff.launch_s, (layer.kernels_bwd + kernels_b) * eff.launch_s)
 
 
 @lru_cache(maxsize=65536)
 def roofline_timing(device: DeviceSpec, eff: Efficiency, layer: LayerSpec, micro_batch: int, tp: int,
                     sequence_parallel: bool, dtype: str, attention: str = "flash2", ep: int = 1,
-                    load: float = 1.0) -> LayerTiming:
+                    load: float = 1.0, fp8_cast: tuple | None = None) -> LayerTiming:
     """Roofline estimate of one layer (cached: the search asks for the same layer often).
     ``attention`` is the fused attention kernel class of the training stack; ``ep`` and
-    ``load`` shape a mixture-of-experts unit's expert GEMMs (see ``Gemm.shape``)."""
+    ``load`` shape a mixture-of-experts unit's expert GEMMs (see ``Gemm.shape``);
+    ``fp8_cast``: fp8 linears (``Stack.fp8_cast``)."""
     gemm_f, weight, data, attn_f, attn_b, mem_f, mem_b, launch_f, launch_b = _roofline_terms(
-        device, eff, layer, micro_batch, tp, sequence_parallel, dtype, attention, ep, load)
+        device, eff, layer, micro_batch, tp, sequence_parallel, dtype, attention, ep, load, fp8_cast)
     fwd = gemm_f + attn_f + mem_f + launch_f
     other = attn_b + mem_b + launch_b
     bw = device.memory_bandwidth * eff.memory
-    core = (_gemms_time(device, eff, layer.gemms_fwd, micro_batch, tp, dtype, lambda g: g.in_core) + attn_f
+    core = (_gemms_time(device, eff, layer.gemms_fwd, micro_batch, tp, dtype, lambda g: g.in_core,
+                        fp8=fp8_cast is not None and layer.kind == "block") + attn_f
             + layer.core_memory_bytes_fwd.at(tp, sequence_parallel) * micro_batch / bw)
     return LayerTiming(forward=fwd, backward=weight + data + other, backward_input=data + other,
                        backward_weight=weight, recompute_selective=core, source="roofline")
 
 
 def roofline_parts(device: DeviceSpec, eff: Efficiency, layer: LayerSpec, micro_batch: int, tp: int,
-                   sequence_parallel: bool, dtype: str, attention: str = "flash2") -> dict[str, float]:
+                   sequence_parallel: bool, dtype: str, attention: str = "flash2",
+                   fp8_cast: tuple | None = None) -> dict[str, float]:
     """Seconds of one forward and backward of ``layer`` under :func:`roofline_timing`, by kind
     of work: 'gemm', 'attention' (fused attention FLOPs), 'bandwidth' (bandwidth-bound
-    kernels) and 'launch'; they add up to its forward + backward."""
+    kernels, fp8 casts included) and 'launch'; they add up to its forward + backward."""
     gemm_f, weight, data, attn_f, attn_b, mem_f, mem_b, launch_f, launch_b = _roofline_terms(
-        device, eff, layer, micro_batch, tp, sequence_parallel, dtype, attention, 1, 1.0)
+        device, eff, layer, micro_batch, tp, sequence_parallel, dtype, attention, 1, 1.0, fp8_cast)
     return {"gemm": gemm_f + weight + data, "attention": attn_f + attn_b, "bandwidth": mem_f + mem_b,
             "launch": launch_f + launch_b}
 
@@ -134,7 +169,8 @@ def roofline_parts(device: DeviceSpec, eff: Efficiency, layer: LayerSpec, micro_
 def layer_timing(device: DeviceSpec, layer: LayerSpec, micro_batch: int, tp: int, sequence_parallel: bool,
                  dtype: str, profiles: ProfileSource | None = None, attention: str = "flash2",
                  efficiency: Efficiency | None = None, ep: int = 1, load: float = 1.0,
-                 forward_host_s_per_kernel: float = 0.0) -> LayerTiming:
+                 forward_host_s_per_kernel: float = 0.0,
+                 fp8_cast: tuple | None = None) -> LayerTiming:
     """Measured timing when a profile covers this device and layer, else the roofline with
     ``efficiency`` (a calibration's), efficiencies fitted from profiles of this device, or
     the device family's defaults, in that order. Profiles time expert units on one rank at
@@ -142,16 +178,18 @@ def layer_timing(device: DeviceSpec, layer: LayerSpec, micro_batch: int, tp: int
 
     ``forward_host_s_per_kernel`` is the host's time to issue one forward kernel from the
     training stack's model code: a roofline forward that the GPU would finish sooner waits
-    on the host (measured profiles already hold it)."""
+    on the host (measured profiles already hold it). ``fp8_cast``: the blocks' linears run in
+    fp8 (``Stack.fp8_cast``); profiles measure the plan's dtype, so the roofline times the
+    blocks then."""
     eff = efficiency
     if profiles is not None:
-        if layer.experts is None or (ep == 1 and load == 1.0):
+        if (layer.experts is None or (ep == 1 and load == 1.0)) and (fp8_cast is None or layer.kind != "block"):
             measured = profiles.layer_timing(device, layer, micro_batch, tp, sequence_parallel, dtype)
             if measured is not None:
                 return measured
         eff = eff or profiles.efficiency(device)
     timing = roofline_timing(device, eff or default_efficiency(device.name), layer, micro_batch, tp,
-                             sequence_parallel, dtype, attention, ep, load)
+                             sequence_parallel, dtype, attention, ep, load, fp8_cast)
     host = layer.kernels_fwd * forward_host_s_per_kernel
     if host > timing.forward:
         timing = replace(timing, forward=host)

@@ -246,7 +246,7 @@ def stage_costs(model: ModelSpec, cluster: Cluster, plan: Plan, options: Estimat
             f = bi = bw = 0.0
             for layer in layers:
                 t = layer_timing(dev, layer, b, tp, sp, dtype, options.profiles, stack.attention, eff, ep, load,
-                                 stack.forward_host_s_per_kernel)
+                                 stack.forward_host_s_per_kernel, stack.fp8_cast)
                 if sources is not None:
                     src = label if label and t.source == "roofline" else t.source
                     prev = sources.get(dev.name)

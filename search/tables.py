@@ -210,7 +210,7 @@ class Tables:
                 load = experts.expert_load(layer.experts, ep, b * (model.tokens_per_sample or model.seq_len) / cp,
                                            self.options.expert_load)
                 t = layer_timing(dev, layer, b, tp, sp, dtype, self.profiles, stack.attention, eff, ep, load,
-                                 stack.forward_host_s_per_kernel)
+                                 stack.forward_host_s_per_kernel, stack.fp8_cast)
                 tp_comm = 0.0
                 if tp > 1:
                     # As costmodel.estimate.stage_costs: row-parallel outputs all-reduced; the

@@ -60,7 +60,9 @@ def test_unknown_stack_is_one_line_error(value, message):
     ({"grads_in_bf16": True}, "grads_in_bf16"),
     ({"schema_version": 99}, "schema_version"),
     ({"sharded_grad_collective": "broadcast"}, "sharded_grad_collective"),
-], ids=["kernel", "negative", "fragmentation", "type", "unknown-field", "version", "collective"])
+    ({"fp8_cast_bytes_per_weight": 8.0}, "fp8_cast_bytes_per_weight"),
+], ids=["kernel", "negative", "fragmentation", "type", "unknown-field", "version", "collective",
+        "fp8-casts-without-fp8"])
 def test_bad_stack_file_names_the_field(tmp_path, edit, field):
     data = get_stack("megatron-core").to_dict() | edit
     path = tmp_path / "mine.json"
@@ -299,6 +301,55 @@ def test_first_generation_flash_attention_runs_at_half_the_speed(device):
     assert parts["flash1"]["gemm"] == parts["flash2"]["gemm"] and parts["flash1"]["attention"] > 0
     stack = dataclasses.replace(get_stack("torchtitan"), attention="flash1")
     assert stack.model_kernels() == get_stack("torchtitan").model_kernels()   # (saves what flash2 saves)
+
+
+# A Llama-3-8B block and a small one, on one H100 rank: (hidden, ffn, micro-batch, seq).
+FP8_BLOCKS = {"llama3-8b-block": (4096, 14336, 2, 8192), "small-block": (256, 1024, 1, 128)}
+
+
+def _fp8_parts(shape, stack_name):
+    hidden, ffn, b, seq = shape
+    model = autoplan.models.transformer(layers=1, hidden=hidden, heads=hidden // 128, kv_heads=max(1, hidden // 512),
+                                        ffn_hidden=ffn, seq_len=seq, vocab=32000, arch="llama")
+    dev = get_device("H100")
+    eff = default_efficiency(dev.name)
+    return {kind: roofline_parts(dev, eff, layer, b, 1, False, "bf16", "flash2", get_stack(stack_name).fp8_cast)
+            for kind, layer in (("block", model.layers[1]), ("head", model.layers[-1]))}
+
+
+@pytest.mark.parametrize("block,faster", [("llama3-8b-block", True), ("small-block", False)])
+def test_fp8_linears_trade_gemm_time_for_casts(block, faster):
+    # A large block's GEMMs run up to twice as fast in fp8 and the casts cost less than that
+    # saves; on a small block the casts cost more (torchao's own roofline makes the same
+    # call). Attention and the LM head stay as they were.
+    bf16, fp8 = _fp8_parts(FP8_BLOCKS[block], "torchtitan"), _fp8_parts(FP8_BLOCKS[block], "torchtitan-float8")
+    h100 = get_device("H100")
+    fastest = bf16["block"]["gemm"] * h100.peak("bf16") / h100.peak("fp8")   # (the fp8 peak is twice bf16's)
+    assert fastest * (1 - 1e-9) <= fp8["block"]["gemm"] < bf16["block"]["gemm"]
+    assert fp8["block"]["bandwidth"] > bf16["block"]["bandwidth"]
+    assert fp8["block"]["attention"] == bf16["block"]["attention"]
+    assert fp8["head"] == bf16["head"]
+    assert (sum(fp8["block"].values()) < sum(bf16["block"].values())) == faster
+
+
+def test_rowwise_scaling_casts_cost_more_than_tensorwise():
+    shape = FP8_BLOCKS["llama3-8b-block"]
+    tensorwise, rowwise = _fp8_parts(shape, "torchtitan-float8"), _fp8_parts(shape, "torchtitan-float8-rowwise")
+    assert rowwise["block"]["gemm"] == tensorwise["block"]["gemm"]
+    assert rowwise["block"]["bandwidth"] > tensorwise["block"]["bandwidth"]
+
+
+def test_fp8_stack_plans_and_estimates_faster_than_bf16():
+    model = autoplan.models.transformer(layers=4, hidden=4096, heads=32, kv_heads=8, ffn_hidden=14336, seq_len=4096,
+                                        vocab=32000, arch="llama")
+    cluster = autoplan.Cluster.homogeneous("H100", 1, 8)
+    plan = autoplan.Plan.uniform(model, cluster, tp=1, pp=1, dp=8, micro_batch=1, global_batch=16, zero=3)
+    times = {s: autoplan.estimate(model, cluster, plan, stack=s) for s in ("torchtitan", "torchtitan-float8")}
+    assert times["torchtitan-float8"].iteration_time_s < times["torchtitan"].iteration_time_s
+    # fp8 compute leaves the memory as it was (Float8Linear saves its bf16 input).
+    assert times["torchtitan-float8"].peak_memory_bytes == times["torchtitan"].peak_memory_bytes
+    found = autoplan.search(model, cluster, 16, stack="torchtitan-float8", progress=False)
+    assert found.best.estimate.iteration_time_s <= times["torchtitan-float8"].iteration_time_s * (1 + 1e-9)
 
 
 def test_dropout_masks_are_measured():

@@ -2,6 +2,7 @@
 model uses, and the factor it reports for a part does remove a source's mean error."""
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -10,25 +11,29 @@ import pytest
 
 import autoplan
 from autoplan.catalog import get_device
+from autoplan.stacks import get_stack
 from benchmarks.published.decompose import (closing_factor, compute_split, kernel_batch_gaps,
                                             per_micro_batch_cost)
 from costmodel.compute import roofline_timing
 from costmodel.efficiency import default_efficiency
 
 
-@pytest.mark.parametrize("attention,tp,micro_batch", [
-    ("math", 1, 1),
-    ("flash1", 1, 2),
-    ("flash2", 2, 2),
-    ("flash3", 4, 1),
-], ids=["explicit-attention", "flash1-mb2", "flash2-tp2-mb2", "flash3-tp4"])
-def test_compute_split_adds_up_to_the_roofline(attention, tp, micro_batch):
+@pytest.mark.parametrize("attention,fp8,tp,micro_batch", [
+    ("math", False, 1, 1),
+    ("flash1", False, 1, 2),
+    ("flash2", False, 2, 2),
+    ("flash3", False, 4, 1),
+    ("flash2", True, 2, 2),
+], ids=["explicit-attention", "flash1-mb2", "flash2-tp2-mb2", "flash3-tp4", "fp8-linears-tp2-mb2"])
+def test_compute_split_adds_up_to_the_roofline(attention, fp8, tp, micro_batch):
     model = autoplan.models.transformer(layers=1, hidden=128, heads=2, seq_len=64, vocab=256,
                                         attention="math" if attention == "math" else "flash")
     device = get_device("H100")
-    split = compute_split(device, model.layers, micro_batch, tp, False, attention)
+    stack = dataclasses.replace(get_stack("torchtitan-float8" if fp8 else "torchtitan"), attention=attention)
+    split = compute_split(device, model.layers, micro_batch, tp, False, stack)
     roofline = sum(t.forward + t.backward for t in (
-        roofline_timing(device, default_efficiency(device.name), l, micro_batch, tp, False, "bf16", attention)
+        roofline_timing(device, default_efficiency(device.name), l, micro_batch, tp, False, "bf16", attention,
+                        fp8_cast=stack.fp8_cast)
         for l in model.layers))
     assert all(v >= 0 for v in split.values())
     assert sum(split.values()) == pytest.approx(roofline, rel=1e-9)

@@ -63,24 +63,25 @@ FACTOR_RANGE = (0.05, 50.0)
 
 
 # ----------------------------------------------------------------------------- parts
-def compute_split(device, layers, micro_batch: int, tp: int, sequence_parallel: bool, attention: str,
+def compute_split(device, layers, micro_batch: int, tp: int, sequence_parallel: bool, stack,
                   dtype: str = "bf16") -> dict[str, float]:
-    """Roofline seconds of one forward and backward of ``layers`` by kind (no recompute)."""
+    """Roofline seconds of one forward and backward of ``layers`` by kind (no recompute), with
+    the stack's attention kernel and fp8 linears."""
     eff = default_efficiency(device.name)
     out = dict.fromkeys(COMPUTE_KINDS, 0.0)
     for layer in layers:
         for kind, seconds in roofline_parts(device, eff, layer, micro_batch, tp, sequence_parallel, dtype,
-                                            attention).items():
+                                            stack.attention, stack.fp8_cast).items():
             out[kind] += seconds
     return out
 
 
-def row_parts(est, model, device, attention: str) -> dict[str, float]:
+def row_parts(est, model, device, stack) -> dict[str, float]:
     """Seconds of each part of an estimate's iteration on its critical rank; the compute
     is split in the proportions of the roofline over the model's layers."""
     b = est.breakdown
     plan = est.plan
-    split = compute_split(device, model.layers, plan.micro_batch, plan.tp, plan.sequence_parallel, attention,
+    split = compute_split(device, model.layers, plan.micro_batch, plan.tp, plan.sequence_parallel, stack,
                           plan.dtype)
     total = sum(split.values()) or 1.0
     out = {k: b["compute"] * v / total for k, v in split.items()}
@@ -90,9 +91,9 @@ def row_parts(est, model, device, attention: str) -> dict[str, float]:
     return out
 
 
-def _record(source: str, ref: str, measured: float, est, model, device, attention: str, **extra) -> dict:
+def _record(source: str, ref: str, measured: float, est, model, device, stack, **extra) -> dict:
     return dict(source=source, ref=ref, measured=measured, predicted=est.iteration_time_s,
-                **row_parts(est, model, device, attention), **extra)
+                **row_parts(est, model, device, stack), **extra)
 
 
 # ------------------------------------------------------------------------------ rows
@@ -103,7 +104,7 @@ def public_rows() -> list[dict]:
     for row in validate.narayanan_rows() + validate.korthikanti_rows():
         est, _, _ = validate.estimate_row(row)
         out.append(_record(row.source, row.model, row.measured_time_s, est, validate.row_model(row), a100,
-                           get_stack(row.stack).attention))
+                           get_stack(row.stack)))
     for r in tables.build():
         if (not isinstance(r, tables.PublishedRow) or r.recompute_bracket or r.status != "ok"
                 or r.source in SKIPPED_SOURCES):
@@ -114,7 +115,7 @@ def public_rows() -> list[dict]:
         stack = dataclasses.replace(get_stack(r.stack), **r.stack_overrides)
         source = f"{r.source} ({r.group})" if r.group and r.source.startswith("Narayanan") else r.source
         out.append(_record(source, r.ref, res.measured_time_s, res.est, tables.model_for(r, stack),
-                           r.cluster.groups[0].device, stack.attention))
+                           r.cluster.groups[0].device, stack))
     return out
 
 
@@ -129,7 +130,7 @@ def hagemann_rows() -> tuple[list[dict], float]:
         model, cluster, plan = validate._hagemann_run(r, stack, specs, gbps)
         est = estimate(model, cluster, plan, stack=stack)
         source = "Hagemann 13B (fitting)" if r.fitting else "Hagemann 30B/65B (checking)"
-        out.append(_record(source, r.table, r.iter_time_s, est, model, cluster.groups[0].device, stack.attention,
+        out.append(_record(source, r.table, r.iter_time_s, est, model, cluster.groups[0].device, stack,
                            dp_degree=plan.dp, pp_degree=plan.pp, micro_batches=plan.num_micro_batches,
                            kernel=r.kernel_raw, fa2=bool(r.fa2), trial=int(r.trial_id)))
     return out, gbps
