@@ -104,6 +104,43 @@ def test_amp_partition_maps_to_zoo_units():
     assert T.amp_split("[0, 1, 2, 30]", 3) is None      # a stage of one no-op spec
 
 
+# torchtitan rows: (a distinctive piece of the row's reference, stack, bytes per gathered parameter).
+TORCHTITAN_RECIPES = {
+    "float8-default-is-tensorwise": ("Table 1 (1D FSDP, 8B, 8 GPUs): FSDP + torch.compile + Float8",
+                                     "torchtitan-float8", 2.0),
+    "rowwise": ("70B on 256 H100 (FSDP 32, TP 8): float8 rowwise, vanilla TP", "torchtitan-float8-rowwise", 2.0),
+    "fp8-all-gather": ("H200 results table: 4 nodes", "torchtitan-float8", 1.0),
+    "bf16": ("70B on 256 H100 (FSDP 32, TP 8): None (bfloat16), vanilla TP", "torchtitan", 2.0),
+}
+
+
+@pytest.mark.parametrize("case", list(TORCHTITAN_RECIPES))
+def test_torchtitan_rows_run_on_their_float8_recipe(case, built):
+    ref, stack, gathered = TORCHTITAN_RECIPES[case]
+    row = next(e for e in built["torchtitan benchmarks"] if isinstance(e, T.PublishedRow) and e.ref.endswith(ref))
+    assert row.stack == stack
+    assert dataclasses.replace(get_stack(row.stack), **row.stack_overrides).gathered_weights_bytes_per_param == gathered
+    # Async TP is still a reason to skip a row, Float8 no longer is.
+    skipped = [e for e in built["torchtitan benchmarks"] if isinstance(e, T.Skipped)]
+    assert skipped and all("async TP" in e.reason for e in skipped)
+
+
+def test_float8_runs_are_paired_with_their_bf16_twin(built):
+    # The 70B vanilla-TP runs of one document: bf16 and tensorwise Float8 pair up; the async
+    # TP runs are skipped and the 2024 file's Float8 run is another document's.
+    refs = [TORCHTITAN_RECIPES[c][0] for c in ("bf16", "rowwise")] + [
+        "70B on 256 H100 (FSDP 32, TP 8): float8 tensorwise, vanilla TP", "Table 4 (FSDP 32 x TP 8, 70B, 256 GPUs): 2D"]
+    rows = [next(e for e in built["torchtitan benchmarks"] if isinstance(e, T.PublishedRow) and e.ref.endswith(ref))
+            for ref in refs]
+    pairs = T.evaluate(rows).float8_pairs()
+    assert [(row.stack, row.ref.endswith(ref)) for (row, _, _), ref in zip(pairs, refs[1:3])] == [
+        ("torchtitan-float8-rowwise", True), ("torchtitan-float8", True)]
+    for row, measured, (rich, lean) in pairs:
+        twin = rows[0]
+        assert measured == pytest.approx(twin.measured_time_s / row.measured_time_s)
+        assert rich == lean > 0      # (runs of one recompute mode: one predicted speedup)
+
+
 def test_megatron_pads_the_vocabulary_per_tensor_parallel_degree():
     assert [T.megatron_vocab(50257, tp) for tp in (1, 2, 4)] == [50304, 50432, 50688]
 
@@ -124,7 +161,7 @@ def test_report_figures_are_computed(built):
     rep = T.evaluate(rows)
     assert len(rep.results) == 4 and len(rep.brackets) == 1 and len(rep.skipped) == 2
 
-    assert rep.groups("AMP GPT-2 trials") == ["16 x T4"] and rep.groups("torchtitan benchmarks") == []
+    assert rep.groups("AMP GPT-2 trials") == ["16 x T4"] and rep.groups("torchtitan benchmarks") == ["bf16"]
     amp = rep.stats("AMP GPT-2 trials")
     assert amp.rows == 2 and len(amp.time_errors) == 1 and amp.failed_rows == 1
     assert math.isfinite(amp.time_mape) and amp.time_mape == abs(amp.time_signed)

@@ -5,9 +5,9 @@ model shape (rebuilt with ``autoplan.models.transformer`` and the attention and 
 kernels of the training stack the run used), the cluster (``Cluster.homogeneous``, or
 two node groups for AMP's mixed V100 + T4 cluster), the plan fields the source gives,
 the stack, and what was measured: iteration time, peak memory per GPU, or that the run
-ran out of memory. A run that cannot be rebuilt faithfully (an fp8 run, async tensor
-parallelism, a model the zoo cannot express, a missing field) becomes a :class:`Skipped`
-entry that says why. No constant of the cost model is fitted to any of these rows.
+ran out of memory. A run that cannot be rebuilt faithfully (fp8 on Transformer Engine,
+async tensor parallelism, a model the zoo cannot express, a missing field) becomes a
+:class:`Skipped` entry that says why. No constant of the cost model is fitted to any of these rows.
 
 Where a source leaves a plan choice open (micro-batch, interleaving depth, recompute,
 sequence parallelism, the distributed optimizer), the row is estimated under every
@@ -129,8 +129,9 @@ class PublishedRow:
     dtype: str = "bf16"
     stack: str
     stack_overrides: dict = field(default_factory=dict)
-    """Behaviour switches of the stack the source says this run did without (e.g. no
-    overlap of data-parallel communication); never a numeric constant."""
+    """Behaviour switches of the stack the source says this run used or did without (e.g. no
+    overlap of data-parallel communication; FSDP's float8 all-gather, 1 B per gathered
+    parameter); never a fitted constant."""
     status: str = "ok"
     """'ok' (ran), 'OOM' (ran out of memory) or 'failed' (no timing, cause not logged)."""
     measured_time_s: float | None = None
@@ -342,22 +343,23 @@ def megatron_2024() -> list:
 
 
 def megatron_fp8_example() -> list:
-    """Megatron-LM examples/llama FP8 table: not modelled (see reason)."""
+    """Megatron-LM examples/llama FP8 table: Transformer Engine's FP8, not modelled (see reason)."""
     out = []
     for r in _read("megatron_lm_2025_llama3_fp8_example.csv").itertuples():
-        reason = ("FP8 (Transformer Engine, hybrid E4M3/E5M2): the cost model has one compute dtype per plan, so "
-                  "fp8 GEMMs next to bf16 attention, norms, communication and fp8 weight copies cannot be "
-                  "modelled honestly")
+        reason = ("FP8 with Transformer Engine (hybrid E4M3/E5M2): its casts (fused into its norm and cast-transpose "
+                  "kernels, weights cast once per step) and fp8 weight copies are not modelled; the fp8 stacks "
+                  "describe torchao's recipes")
         out.append(Skipped("Megatron-LM Llama3 FP8 example", f"{r.model} on {int(r.num_gpus)} GPUs", reason))
     return out
 
 
 def megatron_bridge() -> list:
-    """Megatron-Bridge DGX-H100 Llama rows: all FP8, so not modelled."""
+    """Megatron-Bridge DGX-H100 Llama rows: all FP8 with Transformer Engine, not modelled."""
     out = []
     for r in _read("megatron_bridge_2025_2026_h100_llama3.csv").itertuples():
         precision = _text(r.precision)
-        reasons = [f"precision {precision.split(' (')[0]}: fp8 GEMMs are not modelled (one compute dtype per plan)"
+        reasons = [f"precision {precision.split(' (')[0]}: Transformer Engine's FP8 recipe is not modelled (the fp8 "
+                   "stacks describe torchao's)"
                    if precision.startswith("FP8") else
                    "precision not stated in this release's table (the next release lists the same configurations "
                    "as FP8-CS)"]
@@ -447,13 +449,29 @@ def megascale() -> list:
 def _torchtitan_unmodelled(r) -> str | None:
     """Why a torchtitan row cannot be rebuilt (None: it can, perhaps only as a bracket)."""
     reasons = []
-    if _text(getattr(r, "float8", "")).lower() not in ("", "no"):
-        reasons.append("Float8 linears (fp8 GEMMs are not modelled)")
     if _text(getattr(r, "async_tp", "")).lower().startswith("yes"):
         reasons.append("async TP (TP collectives overlapped with matmuls) is not modelled")
     if r.status == "OOM" and _num(r.global_batch) is None:
         reasons.append("local batch and activation checkpointing of the failed attempt are not stated")
     return "; ".join(reasons) or None
+
+
+def _torchtitan_stack(r) -> tuple[str, dict, str, str]:
+    """(stack, stack overrides, group, note) of a torchtitan row: Float8 rows run torchao's
+    recipe ('yes' is torchtitan's default of the time, tensorwise dynamic scaling)."""
+    float8 = _text(getattr(r, "float8", "")).lower()
+    if float8 in ("", "no"):
+        return "torchtitan", {}, "bf16", ""
+    if float8.startswith("rowwise"):
+        slow = "vanilla TP" in _text(r.source_table)
+        return "torchtitan-float8-rowwise", {}, "Float8 rowwise", "Float8 rowwise" + (
+            " (the source calls this baseline's low throughput a bug being addressed, torchtitan issue 1207)"
+            if slow else "")
+    if "float8 all-gather" in float8:
+        # (The source enables FSDP's float8 all-gather: the weights travel in fp8.)
+        return ("torchtitan-float8", {"gathered_weights_bytes_per_param": 1.0}, "Float8 tensorwise",
+                "Float8 tensorwise, fp8 all-gather")
+    return "torchtitan-float8", {}, "Float8 tensorwise", "Float8 tensorwise"
 
 
 def _torchtitan_row(r, source: str, ref: str, device, cluster_note: str, inter_GBps: float, peak) -> PublishedRow:
@@ -464,7 +482,8 @@ def _torchtitan_row(r, source: str, ref: str, device, cluster_note: str, inter_G
     tp, pp, dp = int(r.tp), int(r.pp), int(r.dp)
     local = int(r.local_batch_size)
     compile_ = _text(getattr(r, "torch_compile", "")).lower()
-    notes = [f"AC '{ac}' bracketed by none/full" if bracket else "",
+    stack, overrides, group, float8 = _torchtitan_stack(r)
+    notes = [f"AC '{ac}' bracketed by none/full" if bracket else "", float8,
              "torch.compile (not modelled)" if compile_.startswith("yes") or "compile = true" in compile_ else ""]
     return PublishedRow(
         source=source, ref=ref, model=r.model, arch="llama", layers=int(r.layers), hidden=int(r.hidden),
@@ -477,16 +496,17 @@ def _torchtitan_row(r, source: str, ref: str, device, cluster_note: str, inter_G
         # Without pipelining a rank runs its whole local batch at once; with it torchtitan
         # then cut the local batch into one micro-batch per stage.
         micro_batch=local if pp == 1 else local // pp, recompute="full" if bracket else ac.split(" ")[0],
-        recompute_bracket=bracket, sequence_parallel=tp > 1, zero=3, stack="torchtitan",
+        recompute_bracket=bracket, sequence_parallel=tp > 1, zero=3, stack=stack, stack_overrides=overrides,
+        group=group,
         status="OOM" if r.status == "OOM" else "ok", measured_time_s=_num(r.iter_time_s_derived),
         time_note="derived from tokens/s per GPU", measured_peak_GiB=peak, peak_kind="reserved", confidence="high",
         note="; ".join(n for n in notes if n))
 
 
 def torchtitan_benchmarks() -> list:
-    """torchtitan benchmarks/*.md (H100 96GB HBM2e; the H200 community rows are all Float8)."""
+    """torchtitan benchmarks/*.md (the PyTorch team's on H100 96GB HBM2e; a community file on H200)."""
     out = []
-    device = _h100_hbm2e(96)
+    h100 = _h100_hbm2e(96)
     for r in _read("torchtitan_benchmarks_2024_2025.csv").itertuples():
         doc = re.search(r"benchmarks/([\w.-]+)\.md", r.source)
         ref = f"{doc.group(1) if doc else 'benchmarks'}: {r.source_table}"
@@ -494,10 +514,14 @@ def torchtitan_benchmarks() -> list:
         if reason:
             out.append(Skipped("torchtitan benchmarks", ref, reason))
             continue
-        out.append(_torchtitan_row(
-            r, "torchtitan benchmarks", ref, device,
-            "Grand Teton: 8 x H100 96GB HBM2e (2.4 TB/s, 500 W) per host on NVLink; RDMA 400 Gbit/s per GPU = "
-            "50 GB/s (source)", 50.0, _num(r.peak_mem_reserved_gib)))
+        if r.gpu.startswith("H200"):
+            device, note = "H200-SXM-141GB", ("8 x H200 per host on NVLink; RDMA 400 Gbit/s per GPU (ConnectX-7) = "
+                                              "50 GB/s (source)")
+        else:
+            device, note = h100, ("Grand Teton: 8 x H100 96GB HBM2e (2.4 TB/s, 500 W) per host on NVLink; RDMA "
+                                  "400 Gbit/s per GPU = 50 GB/s (source)")
+        out.append(_torchtitan_row(r, "torchtitan benchmarks", ref, device, note, 50.0,
+                                   _num(r.peak_mem_reserved_gib)))
     return out
 
 
@@ -735,8 +759,9 @@ class Source:
 
 SOURCES: tuple[Source, ...] = (
     Source("Megatron-LM 2024 H100", megatron_2024, "megatron-core", "Megatron-Core r0.8.0"),
-    Source("Megatron-LM Llama3 FP8 example", megatron_fp8_example, "megatron-core", "not modelled: FP8"),
-    Source("Megatron-Bridge DGX-H100", megatron_bridge, "megatron-core", "not modelled: FP8"),
+    Source("Megatron-LM Llama3 FP8 example", megatron_fp8_example, "megatron-core",
+           "not modelled: Transformer Engine's FP8 recipe"),
+    Source("Megatron-Bridge DGX-H100", megatron_bridge, "megatron-core", "not modelled: Transformer Engine's FP8 recipe"),
     Source("Llama 3 Table 4", llama3_table4, "megatron-core",
            "the nearest shipped stack to Meta's own (bf16 weights, fp32 gradient accumulation and reduce-scatter, "
            "sharded optimizer states)"),
@@ -744,8 +769,10 @@ SOURCES: tuple[Source, ...] = (
            "the rows are MegaScale's Megatron-LM baseline (MegaScale itself is built on Megatron-LM), run without "
            "overlap of DP and PP communication and with the explicit attention (MegaScale adds the overlap and "
            "FlashAttention-2)"),
-    Source("torchtitan benchmarks", torchtitan_benchmarks, "torchtitan"),
-    Source("torchtitan docs/performance", torchtitan_docs, "torchtitan"),
+    Source("torchtitan benchmarks", torchtitan_benchmarks, "torchtitan / torchtitan-float8 / torchtitan-float8-rowwise",
+           "bf16 runs on torchtitan, Float8 runs on torchao's recipe (tensorwise unless the source says rowwise)"),
+    Source("torchtitan docs/performance", torchtitan_docs, "torchtitan / torchtitan-float8",
+           "bf16 runs on torchtitan, Float8 runs on torchao's tensorwise recipe"),
     Source(LLM_FOUNDRY, llm_foundry, "llm-foundry / llm-foundry-pure-bf16",
            "amp_bf16 runs (FSDP mixed precision DEFAULT) on llm-foundry, bf16 runs with PURE on llm-foundry-pure-bf16"),
     Source("BLOOM 176B run", bloom_run, "megatron-deepspeed"),
@@ -1202,12 +1229,43 @@ class TablesReport:
                              f"{plo:.1f}..{phi:.1f}{mark[b.peak_within]} | {row.note} |")
             lines.append("")
             lines.append("✗ = the measurement lies outside the bounds, or the outcome contradicts the model.")
+        lines += self._float8_lines()
         if self.skipped:
             lines += ["", "Not checking rows (skipped, with the reason):", "", "| source | run | reason |",
                       "|---|---|---|"]
             lines += [f"| {s.source} | {s.ref} | {s.reason} |" for s in self.skipped]
         if self.layer_checks:
             lines += ["", *self._layer_lines()]
+        return lines
+
+    def float8_pairs(self) -> list[tuple[PublishedRow, float, tuple[float, float]]]:
+        """(fp8 row, measured speedup, predicted speedup under 'none' and under 'full'
+        recompute) of every fp8 run whose document also ran its configuration in bf16 (same
+        table or file, model, degrees, batch, recompute and compilation): the two share every
+        other error, so their ratio checks the fp8 model alone."""
+        def key(row):
+            return (row.source, row.ref.split(":")[0], row.model, row.gpus, row.tp, row.pp, row.dp, row.cp,
+                    row.seq_len, row.global_batch, row.micro_batch, row.recompute, "torch.compile" in row.note)
+        entries = [(r.row, r.measured_time_s, (r.est.iteration_time_s,) * 2) for r in self.results]
+        entries += [(b.row, b.measured_time_s, b.time_bounds) for b in self.brackets]
+        bf16 = {key(row): (m, p) for row, m, p in entries if m and get_stack(row.stack).fp8_cast is None}
+        out = []
+        for row, m, p in entries:
+            if m and get_stack(row.stack).fp8_cast is not None and key(row) in bf16:
+                base_m, base_p = bf16[key(row)]
+                out.append((row, base_m / m, (base_p[0] / p[0], base_p[1] / p[1])))
+        return out
+
+    def _float8_lines(self) -> list[str]:
+        pairs = self.float8_pairs()
+        if not pairs:
+            return []
+        lines = ["", "Float8 over bf16, the same configuration run both ways in one document (speedup = bf16 "
+                 "time / fp8 time; a bracketed run's predicted speedup under 'none' and 'full' recompute):", "",
+                 "| source | fp8 run | stack | measured speedup | predicted speedup |", "|---|---|---|---:|---:|"]
+        for row, measured, (rich, lean) in pairs:
+            predicted = f"{rich:.2f}" if abs(rich - lean) < 5e-3 else f"{rich:.2f}..{lean:.2f}"
+            lines.append(f"| {row.source} | {row.ref} | {row.stack} | {measured:.2f} | {predicted} |")
         return lines
 
     @staticmethod
