@@ -87,6 +87,13 @@ def _gemms_time(device, eff, gemms: tuple[Gemm, ...], micro_batch: int, tp: int,
     return total
 
 
+def _fp8_layer(layer: LayerSpec, fp8_cast: tuple | None) -> bool:
+    """Whether ``layer``'s linears run in fp8: a transformer block of a stack with fp8 linears
+    (the LM head stays in the plan's dtype: torchtitan's float8 converter and Megatron's
+    output layer leave it out)."""
+    return fp8_cast is not None and layer.kind == "block"
+
+
 def _fp8_gemm(g: Gemm) -> bool:
     """A linear layer's GEMM, the kind fp8 training converts (Float8Linear, TE's Linear):
     not attention's batched products, not a grouped expert matmul."""
@@ -121,9 +128,7 @@ def _roofline_terms(device: DeviceSpec, eff: Efficiency, layer: LayerSpec, micro
     causal = (0.5 if layer.causal else 1.0) * layer.attention_fraction
     bw = device.memory_bandwidth * eff.memory
     att_fwd, att_bwd = eff.attention(attention)
-    # (The LM head stays in the plan's dtype: torchtitan's float8 converter and Megatron's
-    # output layer leave it out.)
-    fp8 = fp8_cast is not None and layer.kind == "block"
+    fp8 = _fp8_layer(layer, fp8_cast)
     cast_f, cast_b, kernels_f, kernels_b = _fp8_casts(layer, b, tp, fp8_cast) if fp8 else (0.0, 0.0, 0, 0)
     return (_gemms_time(device, eff, layer.gemms_fwd, b, tp, dtype, ep=ep, load=load, fp8=fp8),
             _gemms_time(device, eff, layer.gemms_bwd, b, tp, dtype, lambda g: g.batch_dim == "k", ep, load, fp8),
@@ -148,7 +153,7 @@ def roofline_timing(device: DeviceSpec, eff: Efficiency, layer: LayerSpec, micro
     other = attn_b + mem_b + launch_b
     bw = device.memory_bandwidth * eff.memory
     core = (_gemms_time(device, eff, layer.gemms_fwd, micro_batch, tp, dtype, lambda g: g.in_core,
-                        fp8=fp8_cast is not None and layer.kind == "block") + attn_f
+                        fp8=_fp8_layer(layer, fp8_cast)) + attn_f
             + layer.core_memory_bytes_fwd.at(tp, sequence_parallel) * micro_batch / bw)
     return LayerTiming(forward=fwd, backward=weight + data + other, backward_input=data + other,
                        backward_weight=weight, recompute_selective=core, source="roofline")
@@ -183,7 +188,7 @@ def layer_timing(device: DeviceSpec, layer: LayerSpec, micro_batch: int, tp: int
     blocks then."""
     eff = efficiency
     if profiles is not None:
-        if (layer.experts is None or (ep == 1 and load == 1.0)) and (fp8_cast is None or layer.kind != "block"):
+        if (layer.experts is None or (ep == 1 and load == 1.0)) and not _fp8_layer(layer, fp8_cast):
             measured = profiles.layer_timing(device, layer, micro_batch, tp, sequence_parallel, dtype)
             if measured is not None:
                 return measured

@@ -339,6 +339,29 @@ def test_rowwise_scaling_casts_cost_more_than_tensorwise():
     assert rowwise["block"]["bandwidth"] > tensorwise["block"]["bandwidth"]
 
 
+class _MeasuredEverything:
+    """A profile store that has measured every layer (in the plan's dtype)."""
+
+    def layer_timing(self, device, layer, micro_batch, tp, sequence_parallel, dtype):
+        from costmodel.compute import LayerTiming
+        return LayerTiming(1.0, 2.0, 1.0, 1.0, 0.0, source="measured")
+
+    def efficiency(self, device):
+        return None
+
+
+@pytest.mark.parametrize("unit,fp8,source", [
+    ("block", False, "measured"), ("block", True, "roofline"), ("head", True, "measured"),
+], ids=["bf16-block", "fp8-block", "fp8-stack-head"])
+def test_profiles_measured_in_bf16_do_not_time_fp8_blocks(unit, fp8, source):
+    from costmodel.compute import layer_timing
+    model = autoplan.models.transformer(layers=1, hidden=256, heads=2, seq_len=128, vocab=1000)
+    layer = model.layers[1] if unit == "block" else model.layers[-1]
+    cast = get_stack("torchtitan-float8" if fp8 else "torchtitan").fp8_cast
+    t = layer_timing(get_device("H100"), layer, 1, 1, False, "bf16", _MeasuredEverything(), fp8_cast=cast)
+    assert t.source == source
+
+
 def test_fp8_stack_plans_and_estimates_faster_than_bf16():
     model = autoplan.models.transformer(layers=4, hidden=4096, heads=32, kv_heads=8, ffn_hidden=14336, seq_len=4096,
                                         vocab=32000, arch="llama")
