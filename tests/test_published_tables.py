@@ -42,7 +42,8 @@ ROWS = {
     **{name: (name, 0) for name in (
         "Megatron-LM 2024 H100", "Llama 3 Table 4", "MegaScale 175B", "torchtitan benchmarks",
         "torchtitan docs/performance", "BLOOM 176B run", "BLOOM topology sweep", "Narayanan 2021 T2",
-        "MT-NLG 530B (secondary)", "AMP GPT-2 trials", "llm-foundry MPT")},
+        "MT-NLG 530B (secondary)", "AMP GPT-2 trials", "llm-foundry MPT", "Megatron-LM Llama3 FP8 example",
+        "Megatron-Bridge DGX-H100")},
     "Llama 3 Table 4, context parallelism 16": ("Llama 3 Table 4", 2),
 }
 
@@ -87,12 +88,31 @@ def test_llm_foundry_runs_it_cannot_rebuild_are_listed_not_guessed(built):
     assert skipped and all("network" in e.reason for e in skipped)
 
 
-SKIPPED_ONLY = ["Megatron-LM Llama3 FP8 example", "Megatron-Bridge DGX-H100", "DeepSpeed Azure ZeRO-3 (low confidence)"]
+SKIPPED_ONLY = ["DeepSpeed Azure ZeRO-3 (low confidence)"]
 
 
 @pytest.mark.parametrize("name", SKIPPED_ONLY)
 def test_unmodellable_sources_are_listed_not_guessed(name, built):
     assert all(isinstance(e, T.Skipped) for e in built[name])
+
+
+# Megatron-Bridge rows: (a distinctive piece of the reference, stack, or the skip reason's key word).
+BRIDGE_ROWS = {
+    "fp8-of-26.x-is-current-scaling": ("Llama 3 70B, 64 GPUs, NeMo 26.04.01", "megatron-core-fp8-cs"),
+    "fp8-cs-is-current-scaling": ("Llama 3 70B, 64 GPUs, NeMo 25.11", "megatron-core-fp8-cs"),
+    "unstated-precision-is-the-launcher-default": ("Llama 3 70B, 64 GPUs, NeMo 25.09", "megatron-core-fp8"),
+    "megatron-fsdp-skipped": ("Llama 3 8B, 8 GPUs, NeMo 25.11", "Megatron-FSDP"),
+}
+
+
+@pytest.mark.parametrize("case", list(BRIDGE_ROWS))
+def test_megatron_bridge_rows_run_on_their_fp8_recipe(case, built):
+    ref, expected = BRIDGE_ROWS[case]
+    entry = next(e for e in built["Megatron-Bridge DGX-H100"] if e.ref == ref)
+    if isinstance(entry, T.Skipped):
+        assert expected in entry.reason
+    else:
+        assert entry.stack == expected and get_stack(entry.stack).fp8_linears
 
 
 def test_amp_partition_maps_to_zoo_units():
@@ -156,7 +176,7 @@ def test_report_figures_are_computed(built):
         _pick(built, "BLOOM topology sweep", lambda r: r.measured_peak_GiB is not None and r.pp > 1),
         _pick(built, "BLOOM topology sweep", lambda r: r.status == "OOM"),
         _pick(built, "torchtitan benchmarks", lambda r: r.recompute_bracket and r.measured_peak_GiB is not None),
-        *[e for e in built["Megatron-Bridge DGX-H100"][:2]],
+        *[e for e in built["Megatron-Bridge DGX-H100"] if isinstance(e, T.Skipped)][:2],
     ]
     rep = T.evaluate(rows)
     assert len(rep.results) == 4 and len(rep.brackets) == 1 and len(rep.skipped) == 2

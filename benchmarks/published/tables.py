@@ -5,9 +5,9 @@ model shape (rebuilt with ``autoplan.models.transformer`` and the attention and 
 kernels of the training stack the run used), the cluster (``Cluster.homogeneous``, or
 two node groups for AMP's mixed V100 + T4 cluster), the plan fields the source gives,
 the stack, and what was measured: iteration time, peak memory per GPU, or that the run
-ran out of memory. A run that cannot be rebuilt faithfully (fp8 on Transformer Engine,
-async tensor parallelism, a model the zoo cannot express, a missing field) becomes a
-:class:`Skipped` entry that says why. No constant of the cost model is fitted to any of these rows.
+ran out of memory. A run that cannot be rebuilt faithfully (async tensor parallelism,
+Megatron-FSDP, a model the zoo cannot express, a missing field) becomes a :class:`Skipped`
+entry that says why. No constant of the cost model is fitted to any of these rows.
 
 Where a source leaves a plan choice open (micro-batch, interleaving depth, recompute,
 sequence parallelism, the distributed optimizer), the row is estimated under every
@@ -342,32 +342,58 @@ def megatron_2024() -> list:
     return out
 
 
+def _megatron_fp8_row(r, source: str, ref: str, stack: str, confidence: str, note: str) -> PublishedRow:
+    """A Megatron-Core Llama 3 FP8 run (Transformer Engine, FP8 parameters, distributed optimizer)."""
+    tp, pp = int(r.tp), int(r.pp)
+    vpp = _int(r.vpp) or 1
+    return PublishedRow(
+        source=source, ref=ref, model=r.model, arch="llama", layers=int(r.layers), hidden=int(r.hidden),
+        heads=int(r.heads), kv_heads=int(r.kv_heads), ffn_hidden=int(r.ffn_hidden), seq_len=int(r.seq_len),
+        vocab=int(r.vocab), dropout=0.0, cluster=nodes_of("H100", int(r.num_gpus), 50.0),
+        cluster_note="H100 SXM 80GB (DGX H100); 50 GB/s per GPU between nodes assumed (8 x NDR 400 Gbit/s per node; "
+                     "not stated)",
+        tp=tp, pp=pp, dp=int(r.dp), cp=_int(r.cp) or 1, global_batch=int(r.global_batch),
+        micro_batch=int(r.micro_batch), virtual=vpp if pp > 1 else 1, uneven=vpp > 1,
+        # (No recomputation: the recipes behind both tables set none for these models, NeMo
+        # v2.3.0 scripts/performance model_configs_h100.csv and Megatron-Bridge's H100 Llama 3
+        # recipes, recompute_granularity None.)
+        recompute="none", sequence_parallel=tp > 1, zero=1, stack=stack,
+        measured_time_s=float(r.iter_time_s_derived), time_note="derived from tokens/s per GPU",
+        confidence=confidence, note=note)
+
+
+MEGATRON_FP8_NOTE = "TP communication overlap and the recipe's fusions (not modelled)"
+
+
 def megatron_fp8_example() -> list:
-    """Megatron-LM examples/llama FP8 table: Transformer Engine's FP8, not modelled (see reason)."""
-    out = []
-    for r in _read("megatron_lm_2025_llama3_fp8_example.csv").itertuples():
-        reason = ("FP8 with Transformer Engine (hybrid E4M3/E5M2): its casts (fused into its norm and cast-transpose "
-                  "kernels, weights cast once per step) and fp8 weight copies are not modelled; the fp8 stacks "
-                  "describe torchao's recipes")
-        out.append(Skipped("Megatron-LM Llama3 FP8 example", f"{r.model} on {int(r.num_gpus)} GPUs", reason))
-    return out
+    """Megatron-LM examples/llama FP8 table (the 8B script: --fp8-format hybrid, --fp8-param-gather;
+    the table matches NeMo v2.3.0's H100 performance configs, delayed scaling by default)."""
+    return [_megatron_fp8_row(r, "Megatron-LM Llama3 FP8 example", f"{r.model} on {int(r.num_gpus)} GPUs",
+                              "megatron-core-fp8", "medium (GPU, recompute and the 70B/405B scripts not stated)",
+                              MEGATRON_FP8_NOTE)
+            for r in _read("megatron_lm_2025_llama3_fp8_example.csv").itertuples()]
 
 
 def megatron_bridge() -> list:
-    """Megatron-Bridge DGX-H100 Llama rows: all FP8 with Transformer Engine, not modelled."""
+    """Megatron-Bridge DGX-H100 Llama rows. From the 25.11 container on, both 'FP8-CS' and 'FP8'
+    are current scaling (the fp8_cs configs of scripts/performance) on megatron-core-fp8-cs; the
+    25.09 table states no precision and its launcher defaulted to delayed scaling
+    (megatron-core-fp8). Megatron-FSDP rows are not modelled."""
     out = []
     for r in _read("megatron_bridge_2025_2026_h100_llama3.csv").itertuples():
         precision = _text(r.precision)
-        reasons = [f"precision {precision.split(' (')[0]}: Transformer Engine's FP8 recipe is not modelled (the fp8 "
-                   "stacks describe torchao's)"
-                   if precision.startswith("FP8") else
-                   "precision not stated in this release's table (the next release lists the same configurations "
-                   "as FP8-CS)"]
-        if "FSDP=8" in _text(r.sharding):
-            reasons.append("Megatron-FSDP")
         container = r.framework.split(" ")[-1]
-        out.append(Skipped("Megatron-Bridge DGX-H100", f"{r.model}, {int(r.num_gpus)} GPUs, NeMo {container}",
-                           "; ".join(reasons)))
+        ref = f"{r.model}, {int(r.num_gpus)} GPUs, NeMo {container}"
+        if "FSDP=8" in _text(r.sharding):
+            out.append(Skipped("Megatron-Bridge DGX-H100", ref, "Megatron-FSDP (not modelled)"))
+            continue
+        if precision.startswith("FP8"):
+            stack, note = "megatron-core-fp8-cs", MEGATRON_FP8_NOTE
+        else:
+            stack, note = "megatron-core-fp8", "precision not stated: the launcher's default, delayed scaling; " \
+                + MEGATRON_FP8_NOTE
+        out.append(_megatron_fp8_row(r, "Megatron-Bridge DGX-H100", ref, stack,
+                                     "medium (recompute, optimizer sharding and the network not stated)", note))
     return out
 
 
@@ -759,9 +785,11 @@ class Source:
 
 SOURCES: tuple[Source, ...] = (
     Source("Megatron-LM 2024 H100", megatron_2024, "megatron-core", "Megatron-Core r0.8.0"),
-    Source("Megatron-LM Llama3 FP8 example", megatron_fp8_example, "megatron-core",
-           "not modelled: Transformer Engine's FP8 recipe"),
-    Source("Megatron-Bridge DGX-H100", megatron_bridge, "megatron-core", "not modelled: Transformer Engine's FP8 recipe"),
+    Source("Megatron-LM Llama3 FP8 example", megatron_fp8_example, "megatron-core-fp8",
+           "Transformer Engine FP8 with delayed scaling (--fp8-format hybrid) and FP8 parameters, as the 8B script"),
+    Source("Megatron-Bridge DGX-H100", megatron_bridge, "megatron-core-fp8-cs / megatron-core-fp8",
+           "Transformer Engine's current scaling ('FP8' and 'FP8-CS' from 25.11 on), delayed scaling for the 25.09 "
+           "rows whose precision is not stated"),
     Source("Llama 3 Table 4", llama3_table4, "megatron-core",
            "the nearest shipped stack to Meta's own (bf16 weights, fp32 gradient accumulation and reduce-scatter, "
            "sharded optimizer states)"),
