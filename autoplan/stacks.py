@@ -65,6 +65,9 @@ class Stack:
     fused_dropout_add: bool = False
     """A residual branch's bias, dropout and add run as one kernel (Megatron's
     bias-dropout-add fusion); False: a dropout kernel, then an add."""
+    fused_swiglu: bool = False
+    """A gated MLP's activation runs as one kernel that saves only its two inputs (Megatron's
+    bias-SwiGLU fusion); False: the eager ``up * act(gate)``, which also saves the activation."""
     weights_bytes_per_param: float = 2.0
     """Persistent weight copy (bf16 = 2, fp32 = 4)."""
     master_weights_bytes_per_param: float = 4.0

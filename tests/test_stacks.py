@@ -289,6 +289,23 @@ def test_stack_kernels_change_what_the_model_saves():
     assert math.layers[block].activation_bytes["none"].total > 1.5 * flash.layers[block].activation_bytes["none"].total
 
 
+@pytest.mark.parametrize("mlp,saved_less", [("swiglu", True), ("geglu", True), ("gelu", False)])
+def test_fused_gated_activation_saves_one_ffn_wide_tensor_less(mlp, saved_less):
+    # Megatron-Core's SwiGLU fusion saves only the up and gate projections; the eager
+    # up * act(gate) also keeps act(gate): one bf16 tensor of ffn width per token.
+    hidden, ffn, seq = 256, 704, 128
+
+    def block(fused):
+        model = autoplan.models.transformer(layers=1, hidden=hidden, heads=2, ffn_hidden=ffn, seq_len=seq, vocab=1000,
+                                            arch="llama", mlp=mlp, fused_swiglu=fused)
+        return model.layers[1]
+    eager, fused = block(False), block(True)
+    saved = eager.activation_bytes["none"].at(1, False) - fused.activation_bytes["none"].at(1, False)
+    assert saved == (2 * ffn * seq if saved_less else 0)
+    assert (fused.kernels_fwd < eager.kernels_fwd) == saved_less
+    assert fused.gemms_fwd == eager.gemms_fwd and fused.params == eager.params
+
+
 @pytest.mark.parametrize("device", ["A100-80GB", "H100"])
 def test_first_generation_flash_attention_runs_at_half_the_speed(device):
     # Same layers, same memory: only the fused attention's time doubles (Dao 2023: FlashAttention-2

@@ -30,7 +30,7 @@ NORM_LAYOUTS = ("pre", "post", "sandwich", "output")
 QK_NORMS = ("none", "head", "full")
 
 
-FUSED_KERNELS = ("fused_norm", "fused_qkv", "fused_softmax", "fused_dropout_add")
+FUSED_KERNELS = ("fused_norm", "fused_qkv", "fused_softmax", "fused_dropout_add", "fused_swiglu")
 """The TransformerConfig fields that say which fused kernels the training stack runs (with
 ``attention``, the stack's choices rather than the model's: see Stack.model_kernels)."""
 
@@ -135,6 +135,11 @@ class TransformerConfig:
     fused_dropout_add: bool = False
     """Each residual branch's dropout and add run as one kernel (Megatron-LM's
     bias-dropout-add fusion); False = a dropout kernel, then an add."""
+    fused_swiglu: bool = False
+    """A gated MLP's activation (SwiGLU, GeGLU) runs as one kernel each way that saves only
+    its two inputs and recomputes the activation in the backward (Megatron-Core's
+    bias-SwiGLU fusion); False = the eager ``up * act(gate)``, which also saves the gate's
+    activation. Measurement only (the runtime keeps the eager form)."""
     dropout: float = 0.0
     """Dropout probability on both residual branches and, with 'math' attention, on the
     attention probabilities (Megatron-LM's hidden and attention dropout, GPT-2/3's 0.1).

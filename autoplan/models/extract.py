@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode, flop_registry
 
@@ -311,6 +312,52 @@ class _FusedSoftmaxCore(nn.Module):
         return self.dropout(probs) @ v
 
 
+class _GatedActFn(torch.autograd.Function):
+    """A gated MLP's activation as one fused kernel each way (Megatron-Core's bias_swiglu
+    and bias_geglu fusions, megatron/core/fusions/fused_bias_swiglu.py SwiGLUFunction): the
+    forward reads the up and gate projections and writes their product, saving only those
+    two inputs; the backward reads them with the gradient and recomputes the activation.
+    The eager ``up * act(gate)`` also keeps ``act(gate)``: one more FFN-wide tensor."""
+
+    @staticmethod
+    def forward(ctx, up, gate, kind):
+        with _fused_kernel(up, gate) as outputs:
+            act = F.silu(gate) if kind == "swiglu" else F.gelu(gate, approximate="tanh")
+            out = up * act
+            outputs.append(out)
+        ctx.save_for_backward(up, gate)
+        ctx.kind = kind
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        up, gate = ctx.saved_tensors
+        with _fused_kernel(grad, up, gate) as outputs:
+            if ctx.kind == "swiglu":
+                d_up = grad * F.silu(gate)
+                d_gate = _aten.silu_backward(grad * up, gate)
+            else:
+                d_up = grad * F.gelu(gate, approximate="tanh")
+                d_gate = _aten.gelu_backward(grad * up, gate, approximate="tanh")
+            outputs += [d_up, d_gate]
+        return d_up, d_gate, None
+
+
+class _FusedGatedMLP(nn.Module):
+    """A gated MLP whose activation is the fused kernel of _GatedActFn; the same linears."""
+
+    def __init__(self, mlp: nn.Module):
+        super().__init__()
+        self.kind, self.w1, self.w3, self.w2 = mlp.kind, mlp.w1, mlp.w3, mlp.w2
+        self._plan = mlp.tp_plan()
+
+    def forward(self, x):
+        return self.w2(_GatedActFn.apply(self.w1(x), self.w3(x), self.kind))
+
+    def tp_plan(self):
+        return dict(self._plan)
+
+
 def _fuse_qkv(attention: nn.Module) -> None:
     """Give ``attention`` one q/k/v projection in place of three (Megatron-LM's and
     AA-Scaling's query_key_value linear): one GEMM forward, and in the backward one
@@ -579,7 +626,7 @@ def _swap(unit: nn.Module, name: str, module: nn.Module) -> None:
 def _prepare(model: nn.Module, dtype: torch.dtype, flash: bool, causal: bool, cfg=None) -> nn.Module:
     """Put the GPU kernels' memory behaviour into the meta model (see the classes above);
     ``cfg`` says which of the stack's fused kernels to measure (its ``fused_*`` fields)."""
-    from autoplan.models.zoo.transformer import Attention, DropoutAdd, MathAttentionCore
+    from autoplan.models.zoo.transformer import MLP, Attention, DropoutAdd, MathAttentionCore
 
     def fused(kernel: str) -> bool:
         return getattr(cfg, kernel, kernel == "fused_norm")   # (norms are fused unless told)
@@ -594,6 +641,8 @@ def _prepare(model: nn.Module, dtype: torch.dtype, flash: bool, causal: bool, cf
                 _swap(unit, name, _FusedSoftmaxCore(m))
             elif isinstance(m, Attention) and fused("fused_qkv"):
                 _fuse_qkv(m)
+            elif isinstance(m, MLP) and m.gated and fused("fused_swiglu"):
+                _swap(unit, name, _FusedGatedMLP(m))
         for name, m in list(unit.named_modules()):
             if isinstance(m, nn.Dropout) and m.p > 0:
                 _swap(unit, name, _Dropout(m.p))
