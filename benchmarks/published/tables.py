@@ -302,14 +302,25 @@ def megatron_vocab(vocab: int, tp: int, divisible_by: int = 128) -> int:
 
 # Devices the sources describe that the catalog has only in another variant; the figures
 # are the source's own, nothing else changes.
+H100_NVL_OVER_SXM = 1671 / 1979
+"""The H100 NVL's dense tensor-core peak over the H100 SXM's (NVIDIA H100 datasheet: 1,671 against
+1,979 TFLOP/s bf16 with sparsity; the same ratio for fp8 and tf32)."""
+
+
 def _h100_hbm2e(memory_GB: float) -> DeviceSpec:
     """Meta's Grand Teton H100 (HBM2e, 2.4 TB/s, 500 W): the catalog's H100 SXM with the
-    source's memory size and bandwidth (the peak FLOP/s is not restated by the source)."""
+    source's memory size and bandwidth, and tensor-core peaks halfway between the SXM's and
+    the NVL's: torchtitan's benchmark file says its "actual peak TFLOPs number is between SXM
+    and NVL, and we don't know its exact value" (llama3_h100_202412_torchtitan.md, footnote 2)."""
     base = get_device("H100")
+    factor = (1 + H100_NVL_OVER_SXM) / 2
+    peaks = {dtype: flops * (factor if dtype != "fp32" else 1.0) for dtype, flops in base.peak_flops.items()}
     return dataclasses.replace(base, name=f"H100-{memory_GB:g}GB-HBM2e", memory_bytes=memory_GB * GB,
-                               memory_bandwidth=2.4e12, aliases=(),
+                               memory_bandwidth=2.4e12, peak_flops=peaks, aliases=(),
                                source=base.source + f"; memory {memory_GB:g} GB and 2.4 TB/s per the torchtitan "
-                                                    "benchmark files (Grand Teton H100 HBM2e)")
+                                                    "benchmark files (Grand Teton H100 HBM2e, 500 W); tensor-core "
+                                                    f"peaks {factor:.3f} of the SXM's, halfway to the NVL's "
+                                                    "(the peak lies between them, per the same files)")
 
 
 # --------------------------------------------------------------------------- builders
