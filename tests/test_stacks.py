@@ -356,6 +356,25 @@ def test_rowwise_scaling_casts_cost_more_than_tensorwise():
     assert rowwise["block"]["bandwidth"] > tensorwise["block"]["bandwidth"]
 
 
+# Transformer Engine's extra bytes per element over a bf16 run, by a linear's role (TE 2.8 on
+# Hopper, no sequence parallelism): the input of a norm-fused linear (QKV, FC1), of a plain one
+# (proj, FC2), and every output gradient. (delayed scaling, current scaling)
+TE_CAST_BYTES = {"norm_input": (1, 4), "plain_input": (4, 6), "output_gradient": (4, 6)}
+
+
+@pytest.mark.parametrize("stack,recipe", [("megatron-core-fp8", 0), ("megatron-core-fp8-cs", 1)])
+def test_te_cast_bytes_are_the_per_linear_figures_averaged_over_a_llama_block(stack, recipe):
+    # The stack's one figure per element is TE's per-role bytes summed over a Llama-3-70B block
+    # (one fused FC1 in TE) over the elements autoplan's GEMM list counts (gate and up apart).
+    h, ffn, kv = 8192, 28672, 1024
+    te = (TE_CAST_BYTES["norm_input"][recipe] * 2 * h + TE_CAST_BYTES["plain_input"][recipe] * (h + ffn)
+          + TE_CAST_BYTES["output_gradient"][recipe] * ((h + 2 * kv) + h + 2 * ffn + h))
+    model = autoplan.models.transformer(layers=1, hidden=h, heads=64, kv_heads=8, ffn_hidden=ffn, seq_len=128,
+                                        vocab=1000, arch="llama", **get_stack(stack).model_kernels())
+    counted = sum(g.k + g.n for g in model.layers[1].gemms_fwd)   # (inputs and outputs per token)
+    assert get_stack(stack).fp8_cast_bytes_per_activation == pytest.approx(te / counted, abs=0.005)
+
+
 class _MeasuredEverything:
     """A profile store that has measured every layer (in the plan's dtype)."""
 
