@@ -169,6 +169,7 @@ class Tables:
         self._p2p: dict = {}
         self._p2p_classes: dict = {}
         self._opt_rate: dict = {}
+        self._zero3_rates: dict = {}
 
     # --------------------------------------------------------------- layers
     def table(self, kind: Kind, micro_batch: int, sequence_parallel: bool) -> LayerTable:
@@ -462,10 +463,14 @@ class Tables:
     def zero3_copy_rates(self, pool: int) -> tuple[float, float]:
         """Seconds per parameter of ZeRO-3's copies on a device of this pool: those on the
         compute stream and those beside the collectives (``Stack.zero3_copy_bytes_per_param``,
-        ``Stack.zero3_stream_copy_bytes_per_param``)."""
-        bandwidth = achieved_memory_bandwidth(self.cluster.groups[pool].device)
-        return (self.stack.zero3_copy_bytes_per_param / bandwidth,
-                self.stack.zero3_stream_copy_bytes_per_param / bandwidth)
+        ``Stack.zero3_stream_copy_bytes_per_param``). Kept per pool: every ZeRO-3 stage the
+        search times asks."""
+        hit = self._zero3_rates.get(pool)
+        if hit is None:
+            bandwidth = achieved_memory_bandwidth(self.cluster.groups[pool].device)
+            hit = self._zero3_rates[pool] = (self.stack.zero3_copy_bytes_per_param / bandwidth,
+                                             self.stack.zero3_stream_copy_bytes_per_param / bandwidth)
+        return hit
 
     def step_overhead(self, pool: int) -> float:
         """A calibration's fixed host seconds per step on a device of this pool."""
