@@ -22,7 +22,8 @@ from autoplan.fields import FieldReader, load_json
 from autoplan.units import GiB, MiB
 
 STACK_DIR = Path(__file__).parent / "data" / "stacks"
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+"""2 added ``base``: a stack file that varies another names it and gives only what differs."""
 ATTENTION_KERNELS = ("math", "flash1", "flash2", "flash3")
 """'math': explicit softmax(QK^T)V (saves the s x s probabilities); 'flash1': a fused kernel of
 FlashAttention's first generation (FlashAttention up to 1.0, its Triton port), half
@@ -232,12 +233,27 @@ class Stack:
     def from_dict(cls, data: dict, where: str = "stack") -> "Stack":
         r = FieldReader(data, where)
         keys = {_FILE_KEYS.get(f.name, f.name): f for f in fields(cls)}
-        r.reject_unknown(["schema_version", *keys])
+        r.reject_unknown(["schema_version", "base", *keys])
         version = r.int("schema_version", SCHEMA_VERSION)
         if version > SCHEMA_VERSION:
             raise ConfigError(r.path("schema_version"), f"{version} is newer than this autoplan "
                               f"understands ({SCHEMA_VERSION})", "upgrade autoplan")
         values = {}
+        if r.has("base"):
+            # A variant of another stack (a precision recipe of the same software): the base's
+            # figures and sources, each one the file sets replacing the base's.
+            base_name = r.str("base")
+            if base_name == data.get("name"):
+                raise ConfigError(r.path("base"), "names the stack itself", "name the stack this one varies")
+            try:
+                base = get_stack(base_name)
+            except ConfigError as e:
+                raise ConfigError(r.path("base"), e.problem, e.fix) from None
+            set_here = {f.name for key, f in keys.items() if r.has(key)}
+            values = {f.name: getattr(base, f.name) for f in fields(cls)
+                      if f.name not in ("name", "description", "version", "sources")}
+            values["sources"] = {k: v for k, v in base.sources.items()
+                                 if keys.get(k) is None or keys[k].name not in set_here}
         for key, f in keys.items():
             if not r.has(key):
                 if f.name in ("name", "description", "version"):
@@ -249,7 +265,7 @@ class Stack:
                 values[f.name] = r.str(key, choices=_STR_CHOICES.get(f.name))
             elif f.type == "dict":
                 sub = r.sub(key)
-                values[f.name] = {k: sub.str(k) for k in sub.data}
+                values[f.name] = {**values.get(f.name, {}), **{k: sub.str(k) for k in sub.data}}
             else:
                 values[f.name] = r.float(key, minimum=0.0) * _FILE_UNITS.get(f.name, 1)
         return cls(**values).validate()

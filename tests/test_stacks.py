@@ -71,6 +71,33 @@ def test_bad_stack_file_names_the_field(tmp_path, edit, field):
         get_stack(str(path))
 
 
+@pytest.mark.parametrize("edit,message", [
+    ({"base": "mine"}, "base: names the stack itself"),
+    ({"base": "megatron"}, "base: 'megatron' is not a known training stack"),
+], ids=["itself", "unknown"])
+def test_bad_base_names_the_field(tmp_path, edit, message):
+    path = tmp_path / "mine.json"
+    path.write_text(json.dumps({"name": "mine", "description": "x", "version": "x"} | edit))
+    with pytest.raises(ConfigError, match=message) as e:
+        get_stack(str(path))
+    assert "\n" not in str(e.value)
+
+
+def test_a_variant_stack_takes_its_base_and_replaces_what_it_sets(tmp_path):
+    path = tmp_path / "mine.json"
+    path.write_text(json.dumps({"schema_version": 2, "name": "mine", "base": "megatron-core", "description": "x",
+                                "version": "x", "cuda_context_GiB": 2.0, "gradient_bytes_per_param": 2,
+                                "sources": {"gradient_bytes_per_param": "my recipe"}}))
+    mine, base = get_stack(str(path)), get_stack("megatron-core")
+    assert dataclasses.replace(mine, name=base.name, description=base.description, version=base.version,
+                               cuda_context_bytes=base.cuda_context_bytes, gradient_bytes_per_param=4.0,
+                               sources=base.sources) == base
+    assert (mine.cuda_context_bytes, mine.gradient_bytes_per_param) == (2 * 2 ** 30, 2.0)
+    assert mine.sources["gradient_bytes_per_param"] == "my recipe"
+    # A figure set without a source of its own does not keep the base's source for it.
+    assert "cuda_context_GiB" not in mine.sources and "attention" in mine.sources
+
+
 def test_stack_from_a_path(tmp_path):
     data = get_stack("megatron-core").to_dict() | {"name": "mine", "cuda_context_GiB": 2.0}
     path = tmp_path / "mine.json"
