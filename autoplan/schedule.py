@@ -206,24 +206,36 @@ def _one_f_one_b(g: int, p: int, m: int) -> list[Action]:
     return out
 
 
+def interleaved_warmup(g: int, p: int, m: int, v: int) -> int:
+    """Forwards rank ``g`` runs before its first backward under the interleaved schedule
+    (after them it alternates one forward, one backward until the forwards run out)."""
+    return min((p - g - 1) * 2 + (v - 1) * p, m * v)
+
+
+def interleaved_chunk(k: int, p: int, v: int, backward: bool = False):
+    """The chunk (0..v-1) of a rank's k-th forward (or backward) under the interleaved
+    schedule: micro-batches advance through the chunks in groups of p, backwards from the
+    last chunk. ``k`` may be an integer array."""
+    chunk = (k // p) % v
+    return v - 1 - chunk if backward else chunk
+
+
 def _interleaved(g: int, p: int, m: int, v: int) -> list[Action]:
     """Megatron-LM's interleaved 1F1B (Narayanan et al. 2021, §2.2): rank g owns stages
     g, g+p, ..., and micro-batches advance through its chunks in groups of p."""
     total = m * v
 
     def fwd(k: int) -> Action:
-        chunk = (k // p) % v
         mb = (k // (p * v)) * p + k % p
-        return Action(chunk * p + g, "F", mb)
+        return Action(interleaved_chunk(k, p, v) * p + g, "F", mb)
 
     def bwd(k: int) -> Action:
-        chunk = v - 1 - (k // p) % v
         mb = (k // (p * v)) * p + k % p
-        return Action(chunk * p + g, "B", mb)
+        return Action(interleaved_chunk(k, p, v, backward=True) * p + g, "B", mb)
 
     if v == 1:
         return _one_f_one_b(g, p, m)
-    warmup = min((p - g - 1) * 2 + (v - 1) * p, total)
+    warmup = interleaved_warmup(g, p, m, v)
     out = [fwd(k) for k in range(warmup)]
     f, b = warmup, 0
     while b < total:

@@ -4,8 +4,10 @@ The cost model's simulation adds a stage's activation bytes at each forward and 
 them at the backward (weight-gradient part for zero-bubble), in each rank's program
 order; so the live set of a rank depends only on the order of its actions, never on
 their durations. That makes the peak computable here, once per (schedule, pp, m, v),
-from the very schedule program the cost model simulates: for every rank, the count
-vectors (micro-batches held, per chunk of the rank) at which memory can peak.
+from the very schedule order the cost model simulates: for every rank, the count
+vectors (micro-batches held, per chunk of the rank) at which memory can peak (read off
+the lowered program for zero-bubble; worked out from the order's formulas for the
+interleaved schedule, where programs run to tens of thousands of actions).
 
 Under 1F1B the first stage holds ``pp`` micro-batches and the last one; GPipe holds all
 ``m`` everywhere. The counts stop growing once ``m`` exceeds a few times ``pp`` (the
@@ -19,7 +21,7 @@ from functools import cached_property, lru_cache
 import numpy as np
 
 from autoplan.plan import DeviceGroup, Plan, Stage
-from autoplan.schedule import build_program
+from autoplan.schedule import build_program, interleaved_chunk, interleaved_warmup
 
 
 @dataclass(frozen=True)
@@ -65,6 +67,16 @@ def _pareto(vectors: set[tuple[int, ...]]) -> tuple[tuple[int, ...], ...]:
     return tuple(out)
 
 
+def _maximal_rows(states: np.ndarray) -> tuple[tuple[int, ...], ...]:
+    """What ``_pareto`` gives for the rows of an integer array: the rows no other row
+    dominates, in descending order (vectorised: a deep pipeline has hundreds of states)."""
+    rows = np.unique(states, axis=0)
+    # covers[i, j]: row j is at least row i everywhere (rows are distinct: j dominates i).
+    covers = (rows[None, :, :] >= rows[:, None, :]).all(axis=2)
+    kept = rows[covers.sum(axis=1) == 1]
+    return tuple(sorted(map(tuple, kept.tolist()), reverse=True))
+
+
 @lru_cache(maxsize=4096)
 def inflight(schedule: str, pp: int, num_micro_batches: int, virtual_stages: int = 1) -> Inflight:
     """In-flight counts of ``schedule`` with ``pp`` ranks, ``num_micro_batches`` micro-batches
@@ -73,7 +85,7 @@ def inflight(schedule: str, pp: int, num_micro_batches: int, virtual_stages: int
     if schedule == "gpipe":
         return Inflight(peaks=tuple(((m,),) for _ in range(pp)), per_chunk=tuple((m,) for _ in range(pp)),
                         joint=tuple((m,) for _ in range(pp)))
-    if schedule == "1f1b" or pp == 1:
+    if schedule == "1f1b" or pp == 1 or (schedule == "interleaved-1f1b" and virtual_stages == 1):
         n = [min(pp - g, m) for g in range(pp)]
         return Inflight(peaks=tuple(((k,),) for k in n), per_chunk=tuple((k,) for k in n),
                         joint=tuple((k,) for k in n))
@@ -81,8 +93,38 @@ def inflight(schedule: str, pp: int, num_micro_batches: int, virtual_stages: int
     # program with the same warm-up and cool-down (the counts are flat beyond it; the
     # tests check this against long programs): zero-bubble's warm-up is pp deep, and
     # interleaving needs m to stay a multiple of pp. Every longer m shares that program.
-    m_short = min(m, 2 * pp) if schedule == "interleaved-1f1b" else min(m, pp + 2)
-    return _from_program(schedule, pp, m_short, v)
+    if schedule == "interleaved-1f1b":
+        return _interleaved(pp, min(m, 2 * pp), v)
+    return _from_program(schedule, pp, min(m, pp + 2), v)
+
+
+def _summary(peaks: list[tuple[tuple[int, ...], ...]], per_chunk: list[tuple[int, ...]]) -> Inflight:
+    joint = tuple(max(p, key=lambda vec: (sum(vec), vec)) for p in peaks)
+    return Inflight(peaks=tuple(peaks), per_chunk=tuple(per_chunk), joint=joint)
+
+
+@lru_cache(maxsize=4096)
+def _interleaved(pp: int, m_short: int, v: int) -> Inflight:
+    """The interleaved schedule's counts, by arithmetic on its order (the one
+    ``autoplan.schedule`` lowers to actions): rank g runs its warm-up forwards, then one
+    forward and one backward in turn, so its candidate peaks are the states right after
+    each of those forwards. Lowering the program instead took most of a search's first
+    second on deep pipelines (tens of thousands of actions)."""
+    total = m_short * v
+    k = np.arange(total)
+    forwards = np.zeros((total, v), dtype=np.int64)
+    forwards[k, interleaved_chunk(k, pp, v)] = 1
+    backwards = np.zeros((total + 1, v), dtype=np.int64)
+    backwards[k + 1, interleaved_chunk(k, pp, v, backward=True)] = 1
+    done_f, done_b = forwards.cumsum(axis=0), backwards.cumsum(axis=0)   # (through k; before k)
+    peaks, per_chunk = [], []
+    for g in range(pp):
+        warmup = interleaved_warmup(g, pp, m_short, v)
+        f = np.arange(min(warmup, total - 1), total)
+        states = done_f[f] - done_b[np.maximum(f - warmup, 0)]
+        peaks.append(_maximal_rows(states))
+        per_chunk.append(tuple(int(x) for x in states.max(axis=0)))
+    return _summary(peaks, per_chunk)
 
 
 @lru_cache(maxsize=4096)
@@ -114,5 +156,4 @@ def _from_program(schedule: str, pp: int, m_short: int, v: int) -> Inflight:
             states.add(tuple(count))
         peaks.append(_pareto(states))
         per_chunk.append(tuple(top))
-    joint = tuple(max(p, key=lambda vec: (sum(vec), vec)) for p in peaks)
-    return Inflight(peaks=tuple(peaks), per_chunk=tuple(per_chunk), joint=joint)
+    return _summary(peaks, per_chunk)

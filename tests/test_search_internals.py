@@ -214,6 +214,16 @@ def test_inflight_summaries_match_the_full_program(schedule, pp, m, v):
     assert [sum(j) for j in fl.joint] == full
 
 
+@pytest.mark.parametrize("pp,m,v", [
+    (2, 2, 2), (2, 4, 3), (4, 4, 2), (4, 8, 4), (3, 6, 5), (8, 16, 3), (16, 32, 2), (6, 12, 8)],
+    ids=lambda x: str(x))
+def test_interleaved_counts_match_the_lowered_program(pp, m, v):
+    """The interleaved schedule's counts, worked out from its order, are those read off the
+    lowered program action by action (every field, warm-ups longer than the program included)."""
+    from search.inflight import _from_program, _interleaved
+    assert _interleaved(pp, m, v) == _from_program("interleaved-1f1b", pp, m, v)
+
+
 # ---------------------------------------------------------------------- DP
 
 def all_splits(L: int, S: int):
