@@ -269,6 +269,11 @@ class Bounds:
                                      min(a for a, _ in rs), min(b for _, b in rs))
         return hit
 
+    def _zero3_beside(self, sk: Skeleton) -> float:
+        """The least seconds per parameter of ZeRO-3's copies beside the collectives over
+        the pipeline's device pools (Tables.zero3_copy_rates)."""
+        return min(self.tables.zero3_copy_rates(p)[1] for p in {k.pool for k in sk.kinds})
+
     def _counts_of(self, P: int, m: int, v: int, schedule: str) -> list[float]:
         """Micro-batches of its own activations each rank holds at least (per position)."""
         key = (P, m, v, schedule == "gpipe")
@@ -691,11 +696,16 @@ class Bounds:
         total = max(total, period)
         first = ctx.first
         if st.zero >= 3 and dp > 1 and not every_zero:
-            # Each stage costs at least its parameter gather + gradient scatter.
+            # Each stage costs at least its parameter gather + gradient scatter; on a dense
+            # model its forward waits for one gather and its backward for a second (the
+            # forward freed the gathered weights) besides the scatter and the copies beside
+            # them (search.evaluate charges them so).
             params, stack = first.params, tables.stack
             a_g, b_g, a_s, b_s = self._zero3(sk_id, sk)
-            gs = (a_g + a_s) * P * v + (b_g * stack.gathered_weights_bytes_per_param
-                                        + b_s * stack.grad_reduce_bytes_per_param) * params
+            gathers = 1 if tables.model.num_experts else 2
+            beside = 0.0 if gathers == 1 else self._zero3_beside(sk)
+            gs = (gathers * a_g + a_s) * P * v + (gathers * b_g * stack.gathered_weights_bytes_per_param
+                                                  + b_s * stack.grad_reduce_bytes_per_param + beside) * params
             period = max(period, gs / P)
         if P == 1:
             bound = m * period

@@ -400,11 +400,14 @@ def test_no_split_test_never_rules_out_a_split_the_dp_finds(name, monkeypatch):
 
 # -------------------------------------------------------------------- bounds
 
-@pytest.mark.parametrize("schedule,b,zero,memory", [
-    ("1f1b", 1, 0, 40.0), ("1f1b", 2, 1, 5.0), ("gpipe", 1, 0, 6.0), ("zero-bubble", 1, 3, 4.5),
-    ("interleaved-1f1b", 1, 2, 40.0)], ids=lambda x: str(x))
-def test_time_bound_is_below_every_split(schedule, b, zero, memory):
-    cluster = Cluster.from_dict({"inter_node": {"bandwidth_GBps": 10}, "node_groups": [
+@pytest.mark.parametrize("schedule,b,zero,memory,network,tightness", [
+    ("1f1b", 1, 0, 40.0, 10, 0.3), ("1f1b", 2, 1, 5.0, 10, 0.3), ("gpipe", 1, 0, 6.0, 10, 0.3),
+    ("zero-bubble", 1, 3, 4.5, 10, 0.3), ("interleaved-1f1b", 1, 2, 40.0, 10, 0.3),
+    # ZeRO-3 on a slow network: the two gathers and the scatter of every stage decide, and
+    # the bound counts them all (counting one gather, it stayed near 0.54 of the best split).
+    ("1f1b", 1, 3, 40.0, 0.5, 0.7), ("interleaved-1f1b", 1, 3, 40.0, 0.5, 0.7)], ids=lambda x: str(x))
+def test_time_bound_is_below_every_split(schedule, b, zero, memory, network, tightness):
+    cluster = Cluster.from_dict({"inter_node": {"bandwidth_GBps": network}, "node_groups": [
         {"name": "n", "nodes": 2, "gpus_per_node": 2, "device": {
             "name": "toy", "memory_GiB": memory, "peak_TFLOPS": {"bf16": 100}, "memory_bandwidth_GBps": 1000}}]})
     tables = Tables(GPT, cluster)
@@ -422,7 +425,7 @@ def test_time_bound_is_below_every_split(schedule, b, zero, memory):
                 times.append(analysis.time_s)
     assert times, "the case must have fitting plans"
     assert lower <= min(times) * (1 + 1e-9)
-    assert lower >= 0.3 * min(times), "a bound this loose would prune nothing"
+    assert lower >= tightness * min(times), "a bound this loose would prune nothing"
 
 
 ITEM_CASES = {
