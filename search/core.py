@@ -129,11 +129,46 @@ ESTIMATE_AT_LEAST = 5
 ESTIMATE_WINDOW = 1.05
 """Beyond those, only plans the fast model puts within this factor of the best full
 estimate are given the full cost model."""
+ANCHOR_ACTIONS = 4096
+"""Give an incumbent the full model during the loop (to anchor the estimate window, see
+_estimate_window) only when its program has at most this many actions."""
+ANCHOR_GAIN = 0.93
+"""... and only when the window could lower the shortlist's threshold below this share of
+it (the search's results do not depend on it; where the shortlist is nearly as tight, a
+full estimate costs more than the splits it saves)."""
 REFINE_WINDOW = 1.1
 """Refine a split only when its time is within this factor of the shortlist's worst (or the
 shortlist is not full): refining rarely gains more than that."""
 REFINE_MOVES = 200
 """Moves the refinement of one split may try."""
+
+
+def _actions(sk: Skeleton, st: Setting) -> int:
+    """Actions in the program of a candidate (what its full estimate simulates)."""
+    return sk.pp * st.virtual_stages * st.num_micro_batches * (3 if st.schedule == "zero-bubble" else 2)
+
+
+def _estimate_window(shortlist: list[tuple], anchor_s: float, anchor_fast_s: float) -> float:
+    """A fast-model time from which no candidate can reach the estimate phase's results,
+    so the loop need not examine it (INF: none known yet). That phase gives the full
+    model to the ESTIMATE_AT_LEAST fastest candidates, and past them stops at the first
+    one the fast model puts beyond ESTIMATE_WINDOW times the least full estimate so far.
+
+    ``anchor_s``: the full estimate of an incumbent that phase would keep (one whose
+    split no refinement changes), ``anchor_fast_s`` its fast-model time. A candidate at
+    or beyond all of ESTIMATE_WINDOW x anchor_s, anchor_fast_s and the ESTIMATE_AT_LEAST-th
+    fastest time in the shortlist is not among the fastest few, and comes after the
+    anchor: if the phase reaches the anchor, the least full estimate is at most anchor_s
+    and the phase stops before the candidate; if it stops earlier, it stops before it too.
+    So the shortlist keeps every plan the phase would rank, as a full shortlist does,
+    without waiting for max_estimates plans to fill it: the early plans are slow ones
+    (the loop takes candidates by lower bound), and a shortlist of them bounds little."""
+    if anchor_s == INF or len(shortlist) < ESTIMATE_AT_LEAST:
+        return INF
+    fastest = heapq.nlargest(ESTIMATE_AT_LEAST, shortlist)[-1]   # (entries are (-time, -order, cand))
+    # (Just above: the loop drops bounds at or above the threshold, and a candidate tied
+    # with one of these times could still be ranked.)
+    return float(np.nextafter(max(-fastest[0], ESTIMATE_WINDOW * anchor_s, anchor_fast_s), INF))
 
 
 class _Search:
@@ -157,6 +192,9 @@ class _Search:
         """A lower bound for the pipelines placement did not get to (time limit)."""
         self.best_time = INF
         """Fast-model time of the best candidate so far."""
+        self._full: dict = {}
+        """id(candidate) -> (candidate, its full estimate or None where the estimate phase
+        would skip it), for incumbents estimated during the loop (see _estimate_window)."""
         self._pipelining_counts: dict = {}
         self._ep_kinds: dict = {}
         self._memory_floors: dict = {}
@@ -736,8 +774,13 @@ class _Search:
         unrefined: list[tuple] = []   # (items of short programs, refined once the loop is done)
         self.progress.phase("split", stats.candidates)
 
+        window = [INF]   # (see _estimate_window; recomputed whenever the shortlist changes)
+        anchor = [INF, INF]   # (least full estimate of an incumbent, that incumbent's fast time)
+        anchor_due = None     # (the latest incumbent that may anchor the window, not yet estimated)
+
         def threshold() -> float:
-            return -shortlist[0][0] if len(shortlist) >= keep else INF
+            worst = -shortlist[0][0] if len(shortlist) >= keep else INF
+            return min(worst, window[0])
 
         while heap:
             bound, cnt, level, payload = heap[0]
@@ -803,6 +846,14 @@ class _Search:
                 t = time.perf_counter()
                 free = self.splitter.free_period(sk, st0, self.modes)
                 tight = max(bound, st0.num_micro_batches * free)
+                if sk.pp > 1 and tight < threshold():
+                    # And the busiest rank's memory-aware period: where memory forces
+                    # recomputation, the bound above is far too low, and the candidate would
+                    # be split long before plans that beat it (the shortlist fills with them,
+                    # and its threshold falls slowly). Under the item's most sharded ZeRO
+                    # stage, both floors hold for its every stage (states take the least).
+                    floor = max(free, self.bounds.memory_period(sk, st0))
+                    tight = max(tight, self.bounds.time_bound(si, sk, st0, period_floor=floor))
                 bounds_s += time.perf_counter() - t
                 if tight > bound:
                     heapq.heappush(heap, (tight, cnt, 2, (si, st0, zeros, True)))
@@ -870,7 +921,21 @@ class _Search:
                 if analysis.time_s < self.best_time:
                     self.best_time = analysis.time_s
                     self.progress.incumbent(analysis.time_s)
-        self._refine_late(unrefined, shortlist, keep)
+                    # (A full estimate of a long program costs as much as dozens of splits,
+                    # and an incumbent is often soon beaten: only short ones anchor.)
+                    if (self.restricted or not _refinable(st, sk.pp)) and _actions(sk, st) <= ANCHOR_ACTIONS:
+                        anchor_due = cand
+                if anchor_due is not None and len(shortlist) >= ESTIMATE_AT_LEAST and max(
+                        -heapq.nlargest(ESTIMATE_AT_LEAST, shortlist)[-1][0],
+                        ESTIMATE_WINDOW * anchor_due.analysis.time_s) < ANCHOR_GAIN * threshold():
+                    # (Estimated once the window may cut the threshold: not while the
+                    # shortlist is short, nor where it is already tighter.)
+                    est = self._full_estimate(anchor_due)
+                    if est is not None and est.iteration_time_s < anchor[0]:
+                        anchor[:] = [est.iteration_time_s, anchor_due.analysis.time_s]
+                    anchor_due = None
+                window[0] = _estimate_window(shortlist, *anchor)
+        self._refine_late(unrefined, shortlist, keep, threshold)
         # What was left unexplored is bounded below by the heap's smallest item.
         best_time = -max(shortlist)[0] if shortlist else INF
         left = heap[0][0] if heap else INF
@@ -884,9 +949,10 @@ class _Search:
         stats.phase_s["bounds"] = bounds_s
         return sorted(((-t, -o, cand) for t, o, cand in shortlist), key=lambda x: (x[0], x[1]))
 
-    def _refine_late(self, unrefined: list[tuple], shortlist: list[tuple], keep: int) -> None:
+    def _refine_late(self, unrefined: list[tuple], shortlist: list[tuple], keep: int, threshold) -> None:
         """Refine the splits of short programs once every candidate has been split, fastest
-        first, those within REFINE_WINDOW of the shortlist's worst as it then stands: the
+        first, those within REFINE_WINDOW of the loop's ``threshold`` as it then stands
+        (the shortlist's worst, or the estimate window): the
         candidates split first are the ones with the least bounds, rarely the fastest, and
         refining them against the shortlist of that moment (loose, or not yet full) cost
         more than the rest of the search. Judged against the final shortlist instead, a
@@ -897,7 +963,7 @@ class _Search:
         for item in sorted(unrefined, key=lambda x: (-x[0], -x[1])):
             if self.refine_left <= 0:
                 break
-            worst = -shortlist[0][0] if len(shortlist) >= keep else INF
+            worst = threshold()
             time_s, order, cand = -item[0], item[1], item[2]
             if not time_s < REFINE_WINDOW * worst:
                 continue
@@ -1148,9 +1214,7 @@ class _Search:
         done = []
         self.progress.phase("estimate", len(short))
         for i, (t, order, cand) in enumerate(short):
-            st = cand.setting
-            actions = cand.skeleton.pp * st.virtual_stages * st.num_micro_batches * (
-                3 if st.schedule == "zero-bubble" else 2)
+            actions = _actions(cand.skeleton, cand.setting)
             if done and (used + actions > budget or self.out_of_time()):
                 break
             # Past the first few, a candidate the fast model puts well behind the best full
@@ -1159,17 +1223,14 @@ class _Search:
             if len(done) >= ESTIMATE_AT_LEAST and t > ESTIMATE_WINDOW * min(d[0] for d in done):
                 break
             used += actions
-            plan = cand.to_plan(self.model, self.dtype)
-            if self.restricted:
-                from autoplan.engines import violation
-                if violation(plan, self.engine, self.model, self.cluster) is not None:
-                    self.stats.excluded_by_target += 1
-                    continue
-            est = full_estimate(self.model, self.cluster, plan, self.options)
-            self.stats.estimates += 1
+            hit = self._full.get(id(cand))
+            plan, est, skipped = hit[1] if hit is not None and hit[0] is cand else self._plan_estimate(cand)
             self.progress.step()
-            if not est.fits:
+            if skipped == "target":
+                self.stats.excluded_by_target += 1
+            elif skipped == "fit":
                 self.stats.estimate_fit_mismatch += 1
+            if est is None:
                 continue
             done.append((est.iteration_time_s, i, RankedPlan(rank=0, plan=plan, estimate=est, predicted_s=t,
                                                              gpus_used=plan.num_gpus)))
@@ -1180,6 +1241,26 @@ class _Search:
             rp.rank = r
             out.append(rp)
         return out
+
+    def _plan_estimate(self, cand: Candidate) -> tuple:
+        """(plan, full estimate, why skipped) of a candidate as the estimate phase ranks it:
+        the estimate is None where that phase skips the plan, because the target engine
+        cannot run it ("target") or the full model finds that it does not fit ("fit")."""
+        plan = cand.to_plan(self.model, self.dtype)
+        if self.restricted:
+            from autoplan.engines import violation
+            if violation(plan, self.engine, self.model, self.cluster) is not None:
+                return plan, None, "target"
+        est = full_estimate(self.model, self.cluster, plan, self.options)
+        self.stats.estimates += 1
+        return (plan, est, None) if est.fits else (plan, None, "fit")
+
+    def _full_estimate(self, cand: Candidate):
+        """The full estimate of an incumbent (None where the estimate phase would skip it),
+        kept for that phase."""
+        found = self._plan_estimate(cand)
+        self._full[id(cand)] = (cand, found)
+        return found[1]
 
     # ------------------------------------------------------- no plan fits
     def _lean_skeletons(self, skeletons: list[Skeleton]) -> list[Skeleton]:
