@@ -369,12 +369,13 @@ class Bounds:
     def memory_period(self, sk: Skeleton, st: Setting) -> float:
         """A lower bound on the busiest rank's work per micro-batch (forward + backward,
         recomputation included) of any split of a one-kind pipeline that fits in memory
-        (0.0 for mixed pipelines: no bound; INF: no split fits).
+        (0.0 for interleaved mixed pipelines: no bound; INF: no split fits).
 
         The relaxation keeps only the model's most common unit kind (dropping units only
         lightens every rank) and replaces each of those units by a virtual one with, per
         recompute mode, the least cost and activation bytes and the least states of any of
-        them. Rank ``g`` holds ``n_g`` micro-batches of its activations at least (the
+        them (each rank's on its own device kind and data-parallel degree). Rank ``g``
+        holds ``n_g`` micro-batches of its activations at least (the
         schedule's in-flight peak; for interleaved chunks, the smallest chunk count of its
         peak vector) besides its states, within its budget ``B_g``. At a period ``tau`` it
         can then take at most ``k_g(tau)`` virtual units, the optimum of the linear program
@@ -383,10 +384,22 @@ class Bounds:
         ranks together can take every unit bounds the period of every real split, whose
         ranks also balance work against memory but in whole units. Without interleaving a
         rank holds one stage and a stage has one recompute mode, so there ``k_g(tau)`` is
-        the best single mode's (see _single_mode_period), not a mix."""
-        if len(set(sk.kinds)) > 1 or sk.pp == 1:
+        the best single mode's (see _single_mode_period), not a mix; on a pipeline of
+        several device kinds only that case is bounded (a rank's line depends on its kind,
+        and the interleaved ranks' dual vertices would be per kind)."""
+        if sk.pp == 1:
             return 0.0
         P, m, v = sk.pp, st.num_micro_batches, st.virtual_stages
+        if len(set(sk.kinds)) > 1:
+            if v > 1:
+                return 0.0
+            key = ("mixed", sk.kinds, tuple(g.dp * g.cp for g in sk.groups), sk.ep, st.micro_batch,
+                   st.sequence_parallel, st.zero, st.schedule == "gpipe",
+                   m if st.schedule == "gpipe" or m < P else None)
+            hit = self._rank_lines.get(key)
+            if hit is None:
+                hit = self._rank_lines[key] = self._mixed_memory_period(sk, st)
+            return hit
         kind = sk.kinds[0]
         sp = st.sequence_parallel and kind.tp > 1
         # The in-flight peaks stop depending on m past a few times the depth (not GPipe's).
@@ -456,6 +469,30 @@ class Bounds:
                 break
             tau = nxt
         return tau * (1.0 - 1e-12)   # (a lower bound: rounding must not lift it above)
+
+    def _mixed_memory_period(self, sk: Skeleton, st: Setting) -> float:
+        """memory_period of a pipeline of several device kinds without interleaving: each
+        rank's line from its own kind's virtual unit and budget (see _single_mode_period)."""
+        P, m, tables = sk.pp, st.num_micro_batches, self.tables
+        costs, most = [], []
+        count = None
+        for g in range(P):
+            kind, group = sk.kinds[g], sk.groups[g]
+            cost, act, states, count = self._virtual_unit(kind, st.micro_batch, st.sequence_parallel,
+                                                          group.dp * group.cp, st.zero)
+            budget = tables.capacity(kind.pool) - tables.fixed_bytes(kind.pool, group, P, sk.ep)
+            if budget <= 0:
+                return INF            # every stage holds a unit: this rank can hold none
+            # Zero-bubble holds at least 1F1B's micro-batches (it frees them later).
+            n = m if st.schedule == "gpipe" else min(P - g, m)
+            costs.append(cost)
+            most.append(budget / (states + n * act))
+        if not count:
+            return 0.0
+        cost, most = np.array(costs), np.array(most)
+        if float(most.max(axis=1).sum()) < count:
+            return INF                # even all in the leanest mode does not fit
+        return _single_mode_period(cost, most, np.ones(P), count)
 
     def share_period(self, sk: Skeleton, st: Setting, counts, budgets) -> float:
         """A lower bound on the busiest rank's work per micro-batch of any interleaved split
@@ -782,12 +819,14 @@ def _single_mode_period(cost: np.ndarray, most: np.ndarray, mult: np.ndarray, co
     """memory_period where each rank holds one stage, so one recompute mode: a rank that
     holds ``most[i, q]`` virtual units in mode ``q`` at the most takes ``k_i(tau) = max_q
     min(tau / cost[q], most[i, q])`` units at period ``tau`` (``mult[i]`` ranks alike); the
-    least ``tau`` at which they take ``count`` units. The total is continuous, increasing
-    and linear between the kinks ``cost[q] * most[i, q']`` (every place a min or the max
-    can switch), so the answer is interpolated exactly between the two kinks around it."""
-    kinks = np.unique((cost[None, :, None] * most[:, None, :]).ravel())
+    least ``tau`` at which they take ``count`` units. ``cost``: per mode, or per rank and
+    mode (ranks of several device kinds). The total is continuous, increasing and linear
+    between the kinks ``cost[i, q] * most[i, q']`` (every place a min or the max can
+    switch), so the answer is interpolated exactly between the two kinks around it."""
+    cost = np.broadcast_to(np.atleast_2d(cost), most.shape)
+    kinks = np.unique((cost[:, :, None] * most[:, None, :]).ravel())
     kinks = kinks[np.isfinite(kinks) & (kinks > 0)]
-    reach = (np.minimum(kinks[:, None, None] / cost[None, None, :], most[None]).max(axis=2)
+    reach = (np.minimum(kinks[:, None, None] / cost[None], most[None]).max(axis=2)
              * mult[None, :]).sum(axis=1)
     i = int(np.searchsorted(reach >= count, True))   # (the last kink holds every rank's most)
     if i >= len(kinks):

@@ -852,7 +852,12 @@ class _Search:
                     # be split long before plans that beat it (the shortlist fills with them,
                     # and its threshold falls slowly). Under the item's most sharded ZeRO
                     # stage, both floors hold for its every stage (states take the least).
-                    floor = max(free, self.bounds.memory_period(sk, st0))
+                    # (A mixed pipeline's bound is its own, not shared with other data-parallel
+                    # degrees: not sought where the memory-free split fits, as then no split
+                    # that fits has a smaller period.)
+                    floor = free
+                    if len(set(sk.kinds)) == 1 or not self.splitter.free_split_fits(sk, st0, self.modes):
+                        floor = max(free, self.bounds.memory_period(sk, st0))
                     tight = max(tight, self.bounds.time_bound(si, sk, st0, period_floor=floor))
                 bounds_s += time.perf_counter() - t
                 if tight > bound:
@@ -874,10 +879,11 @@ class _Search:
                     t = time.perf_counter()
                     floor = self.splitter.free_period(sk, st, self.modes)
                     beaten = self.bounds.time_bound(si, sk, st, period_floor=floor) >= threshold()
-                    if not beaten:
+                    if not beaten and len(set(sk.kinds)) == 1:
                         # (The bound only grows with the floor: the memory-aware period is
-                        # worked out only where the memory-free one does not settle it,
-                        # 345 of 622 times at 1,024 GPUs.)
+                        # worked out only where the memory-free one does not settle it. A
+                        # mixed pipeline's, costlier and rarely decisive here, only ordered
+                        # the candidate when it first came up.)
                         memory = self.bounds.memory_period(sk, st)
                         if memory > floor:
                             floor = memory

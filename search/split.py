@@ -242,6 +242,12 @@ class Splitter:
                                      period_limit)
         return hit[0]
 
+    def free_split_fits(self, sk: Skeleton, st: Setting, modes: tuple[str, ...]) -> bool:
+        """Whether the memory-free split (see free_period) fits the budgets the DP gives its
+        stages: then it is the DP's answer, and no split that fits has a smaller period."""
+        free = self._unconstrained(sk, st, modes)
+        return free is not None and self._fits(sk, st, modes, free, joint=False)
+
     def _fits(self, sk: Skeleton, st: Setting, modes: tuple[str, ...], split: Split, joint: bool) -> bool:
         """Whether every stage of ``split`` (fastest mode) fits the budget the DP gives it."""
         P, v = sk.pp, st.virtual_stages

@@ -473,6 +473,11 @@ MEMORY_PERIOD_CASES = {
     "zero-bubble-zero3": ("zero-bubble", 1, 1, 3, 4.5, ("none", "selective", "full"), False),
     "interleaved-tight": ("interleaved-1f1b", 2, 2, 0, 3.2, ("none", "full"), True),
     "interleaved-roomy": ("interleaved-1f1b", 2, 1, 2, 40.0, ("none", "full"), False),
+    # Two device kinds (the second slower, with its own memory): each rank's own line.
+    "mixed-1f1b-tight": ("1f1b", 1, 2, 0, (3.2, 4.0), ("none", "selective", "full"), True),
+    "mixed-gpipe-tight": ("gpipe", 1, 1, 0, (4.0, 3.5), ("none", "selective", "full"), True),
+    "mixed-zero-bubble-zero1": ("zero-bubble", 1, 2, 1, (3.6, 3.2), ("none", "full"), True),
+    "mixed-1f1b-roomy": ("1f1b", 1, 2, 1, (40.0, 20.0), ("none", "selective", "full"), False),
 }
 
 
@@ -482,12 +487,15 @@ def test_memory_period_is_below_every_fitting_split(name):
     the time bound floored by it never exceeds the split's time (every split and
     recomputation enumerated); where memory binds, it tightens the time bound."""
     schedule, v, b, zero, memory, modes, binds = MEMORY_PERIOD_CASES[name]
+    sizes = memory if isinstance(memory, tuple) else (memory,)
     cluster = Cluster.from_dict({"inter_node": {"bandwidth_GBps": 10}, "node_groups": [
-        {"name": "n", "nodes": 2, "gpus_per_node": 2, "device": {
-            "name": "toy", "memory_GiB": memory, "peak_TFLOPS": {"bf16": 100}, "memory_bandwidth_GBps": 1000}}]})
+        {"name": f"n{i}", "nodes": 2 // len(sizes), "gpus_per_node": 2, "device": {
+            "name": f"toy{i}", "memory_GiB": gib, "peak_TFLOPS": {"bf16": 100 - 40 * i}, "memory_bandwidth_GBps": 1000}}
+        for i, gib in enumerate(sizes)]})
     tables = Tables(DEEP, cluster)
     bounds_ = Bounds(tables, modes, global_batch=16)
-    sk = Skeleton(groups=tuple(DeviceGroup(ranks=(2 * g, 2 * g + 1), tp=1) for g in range(2)), kinds=(Kind(0, 1),) * 2)
+    sk = Skeleton(groups=tuple(DeviceGroup(ranks=(2 * g, 2 * g + 1), tp=1) for g in range(2)),
+                  kinds=tuple(Kind(g if len(sizes) > 1 else 0, 1) for g in range(2)))
     st = Setting(b, 16 // (2 * b), schedule, v, zero, False)
     floor = bounds_.memory_period(sk, st)
     timed = bounds_.time_bound(0, sk, st, period_floor=floor)
