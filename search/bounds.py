@@ -368,8 +368,8 @@ class Bounds:
 
     def memory_period(self, sk: Skeleton, st: Setting) -> float:
         """A lower bound on the busiest rank's work per micro-batch (forward + backward,
-        recomputation included) of any split of a one-kind pipeline that fits in memory
-        (0.0 for interleaved mixed pipelines: no bound; INF: no split fits).
+        recomputation included) of any split that fits in memory (0.0 for interleaved
+        pipelines of several device kinds: no bound; INF: no split fits).
 
         The relaxation keeps only the model's most common unit kind (dropping units only
         lightens every rank) and replaces each of those units by a virtual one with, per
