@@ -855,10 +855,12 @@ class _Search:
                     # (A mixed pipeline's bound is its own, not shared with other data-parallel
                     # degrees: not sought where the memory-free split fits, as then no split
                     # that fits has a smaller period.)
-                    floor = free
+                    # (Where memory does not raise the floor, the bound above stands: timing
+                    # the full bound again cost more than it gained on small mixed clusters.)
                     if len(set(sk.kinds)) == 1 or not self.splitter.free_split_fits(sk, st0, self.modes):
-                        floor = max(free, self.bounds.memory_period(sk, st0))
-                    tight = max(tight, self.bounds.time_bound(si, sk, st0, period_floor=floor))
+                        floor = self.bounds.memory_period(sk, st0)
+                        if floor > free:
+                            tight = max(tight, self.bounds.time_bound(si, sk, st0, period_floor=floor))
                 bounds_s += time.perf_counter() - t
                 if tight > bound:
                     heapq.heappush(heap, (tight, cnt, 2, (si, st0, zeros, True)))
