@@ -398,7 +398,7 @@ class Bounds:
                    m if st.schedule == "gpipe" or m < P else None)
             hit = self._rank_lines.get(key)
             if hit is None:
-                hit = self._rank_lines[key] = self._mixed_memory_period(sk, st)
+                hit = self._rank_lines[key] = self._one_stage_period(sk, st)
             return hit
         kind = sk.kinds[0]
         sp = st.sequence_parallel and kind.tp > 1
@@ -412,17 +412,15 @@ class Bounds:
 
     def _memory_period(self, sk: Skeleton, st: Setting) -> float:
         from search.inflight import inflight
+        if st.virtual_stages == 1:
+            return self._one_stage_period(sk, st)
         P, kind, tables = sk.pp, sk.kinds[0], self.tables
         cost, act, states, count = self._virtual_unit(kind, st.micro_batch, st.sequence_parallel, sk.shards, st.zero)
         if count == 0:
             return 0.0
         m = st.num_micro_batches
-        if st.virtual_stages == 1:
-            # Zero-bubble holds at least 1F1B's micro-batches (it frees them later).
-            n = np.array([m if st.schedule == "gpipe" else min(P - g, m) for g in range(P)], dtype=float)
-        else:
-            fl = inflight(st.schedule, P, m, st.virtual_stages)
-            n = np.array([max(min(vec) for vec in fl.peaks[g]) for g in range(P)], dtype=float)
+        fl = inflight(st.schedule, P, m, st.virtual_stages)
+        n = np.array([max(min(vec) for vec in fl.peaks[g]) for g in range(P)], dtype=float)
         budget = tables.capacity(kind.pool) - tables.fixed_bytes(kind.pool, sk.groups[0], P, sk.ep)
         if budget <= 0:
             return INF
@@ -431,8 +429,6 @@ class Bounds:
         mem = states + ns[:, None] * act[None, :]                      # (counts, modes)
         if float((budget / mem.min(axis=1) * mult).sum()) < count:
             return INF                     # even all in the leanest mode does not fit
-        if st.virtual_stages == 1:
-            return _single_mode_period(cost, budget / mem, mult, count)
         # k_g(tau) by LP duality: the least of alpha * tau + beta * B_g over the dual's
         # vertices, where two of alpha c_q + beta d_q >= 1, alpha >= 0, beta >= 0 are tight.
         Q = len(cost)
@@ -470,9 +466,10 @@ class Bounds:
             tau = nxt
         return tau * (1.0 - 1e-12)   # (a lower bound: rounding must not lift it above)
 
-    def _mixed_memory_period(self, sk: Skeleton, st: Setting) -> float:
-        """memory_period of a pipeline of several device kinds without interleaving: each
-        rank's line from its own kind's virtual unit and budget (see _single_mode_period)."""
+    def _one_stage_period(self, sk: Skeleton, st: Setting) -> float:
+        """memory_period without interleaving (one stage per rank, of one device kind or
+        several): each rank's line from its own kind's virtual unit and budget (see
+        _single_mode_period)."""
         P, m, tables = sk.pp, st.num_micro_batches, self.tables
         costs, most = [], []
         count = None

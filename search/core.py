@@ -148,27 +148,35 @@ def _actions(sk: Skeleton, st: Setting) -> int:
     return sk.pp * st.virtual_stages * st.num_micro_batches * (3 if st.schedule == "zero-bubble" else 2)
 
 
-def _estimate_window(shortlist: list[tuple], anchor_s: float, anchor_fast_s: float) -> float:
+def _fifth_fastest(shortlist: list[tuple]) -> float:
+    """The ESTIMATE_AT_LEAST-th fastest time in the shortlist (INF while it holds fewer);
+    its entries are (-time, -order, candidate)."""
+    if len(shortlist) < ESTIMATE_AT_LEAST:
+        return INF
+    return -heapq.nlargest(ESTIMATE_AT_LEAST, shortlist)[-1][0]
+
+
+def _estimate_window(fifth_s: float, anchor_s: float, anchor_fast_s: float) -> float:
     """A fast-model time from which no candidate can reach the estimate phase's results,
     so the loop need not examine it (INF: none known yet). That phase gives the full
     model to the ESTIMATE_AT_LEAST fastest candidates, and past them stops at the first
     one the fast model puts beyond ESTIMATE_WINDOW times the least full estimate so far.
 
+    ``fifth_s``: the shortlist's ESTIMATE_AT_LEAST-th fastest time (_fifth_fastest);
     ``anchor_s``: the full estimate of an incumbent that phase would keep (one whose
     split no refinement changes), ``anchor_fast_s`` its fast-model time. A candidate at
-    or beyond all of ESTIMATE_WINDOW x anchor_s, anchor_fast_s and the ESTIMATE_AT_LEAST-th
-    fastest time in the shortlist is not among the fastest few, and comes after the
+    or beyond all of ESTIMATE_WINDOW x anchor_s, anchor_fast_s and fifth_s is not among
+    the fastest few, and comes after the
     anchor: if the phase reaches the anchor, the least full estimate is at most anchor_s
     and the phase stops before the candidate; if it stops earlier, it stops before it too.
     So the shortlist keeps every plan the phase would rank, as a full shortlist does,
     without waiting for max_estimates plans to fill it: the early plans are slow ones
     (the loop takes candidates by lower bound), and a shortlist of them bounds little."""
-    if anchor_s == INF or len(shortlist) < ESTIMATE_AT_LEAST:
+    if anchor_s == INF or fifth_s == INF:
         return INF
-    fastest = heapq.nlargest(ESTIMATE_AT_LEAST, shortlist)[-1]   # (entries are (-time, -order, cand))
     # (Just above: the loop drops bounds at or above the threshold, and a candidate tied
     # with one of these times could still be ranked.)
-    return float(np.nextafter(max(-fastest[0], ESTIMATE_WINDOW * anchor_s, anchor_fast_s), INF))
+    return float(np.nextafter(max(fifth_s, ESTIMATE_WINDOW * anchor_s, anchor_fast_s), INF))
 
 
 class _Search:
@@ -775,7 +783,7 @@ class _Search:
         self.progress.phase("split", stats.candidates)
 
         window = [INF]   # (see _estimate_window; recomputed whenever the shortlist changes)
-        anchor = [INF, INF]   # (least full estimate of an incumbent, that incumbent's fast time)
+        anchor_s = anchor_fast_s = INF   # (least full estimate of an incumbent, its fast time)
         anchor_due = None     # (the latest incumbent that may anchor the window, not yet estimated)
 
         def threshold() -> float:
@@ -847,16 +855,14 @@ class _Search:
                 free = self.splitter.free_period(sk, st0, self.modes)
                 tight = max(bound, st0.num_micro_batches * free)
                 if sk.pp > 1 and tight < threshold():
-                    # And the busiest rank's memory-aware period: where memory forces
-                    # recomputation, the bound above is far too low, and the candidate would
-                    # be split long before plans that beat it (the shortlist fills with them,
-                    # and its threshold falls slowly). Under the item's most sharded ZeRO
-                    # stage, both floors hold for its every stage (states take the least).
-                    # (A mixed pipeline's bound is its own, not shared with other data-parallel
-                    # degrees: not sought where the memory-free split fits, as then no split
-                    # that fits has a smaller period.)
-                    # (Where memory does not raise the floor, the bound above stands: timing
-                    # the full bound again cost more than it gained on small mixed clusters.)
+                    # And the busiest rank's memory-aware period, where it raises the floor:
+                    # where memory forces recomputation the bound above is far too low, and
+                    # the candidate would be split long before plans that beat it (the
+                    # shortlist fills with them, and its threshold falls slowly). Under the
+                    # item's most sharded ZeRO stage it holds for its every stage (states take
+                    # the least). A mixed pipeline's is its own (not shared with other
+                    # data-parallel degrees) and not sought where the memory-free split fits:
+                    # then no split that fits has a smaller period.
                     if len(set(sk.kinds)) == 1 or not self.splitter.free_split_fits(sk, st0, self.modes):
                         floor = self.bounds.memory_period(sk, st0)
                         if floor > free:
@@ -933,16 +939,16 @@ class _Search:
                     # and an incumbent is often soon beaten: only short ones anchor.)
                     if (self.restricted or not _refinable(st, sk.pp)) and _actions(sk, st) <= ANCHOR_ACTIONS:
                         anchor_due = cand
-                if anchor_due is not None and len(shortlist) >= ESTIMATE_AT_LEAST and max(
-                        -heapq.nlargest(ESTIMATE_AT_LEAST, shortlist)[-1][0],
-                        ESTIMATE_WINDOW * anchor_due.analysis.time_s) < ANCHOR_GAIN * threshold():
+                fifth = _fifth_fastest(shortlist)
+                if anchor_due is not None and max(fifth, ESTIMATE_WINDOW * anchor_due.analysis.time_s) \
+                        < ANCHOR_GAIN * threshold():
                     # (Estimated once the window may cut the threshold: not while the
                     # shortlist is short, nor where it is already tighter.)
                     est = self._full_estimate(anchor_due)
-                    if est is not None and est.iteration_time_s < anchor[0]:
-                        anchor[:] = [est.iteration_time_s, anchor_due.analysis.time_s]
+                    if est is not None and est.iteration_time_s < anchor_s:
+                        anchor_s, anchor_fast_s = est.iteration_time_s, anchor_due.analysis.time_s
                     anchor_due = None
-                window[0] = _estimate_window(shortlist, *anchor)
+                window[0] = _estimate_window(fifth, anchor_s, anchor_fast_s)
         self._refine_late(unrefined, shortlist, keep, threshold)
         # What was left unexplored is bounded below by the heap's smallest item.
         best_time = -max(shortlist)[0] if shortlist else INF
