@@ -1,6 +1,6 @@
 """Measure the kernels the cost model's roofline stands in for, on the GPU at hand.
 
-Three families, each timed with CUDA events (median of repeats after warm-up, L2 flushed
+Four families, each timed with CUDA events (median of repeats after warm-up, L2 flushed
 between repeats):
 
 * **GEMMs** (``torch.mm`` in the chosen dtype): square sizes, the shapes transformer
@@ -12,8 +12,11 @@ between repeats):
   backward at head dims 64/128 and sequence lengths 1k-16k, causal and not.
 * **bandwidth-bound kernels**: copy, add, GELU, RMSNorm, softmax, cross-entropy over
   large tensors (bytes moved / time).
+* **alignment**: linear layers whose width is not a multiple of 8 (an unpadded vocabulary
+  head) beside padded ones, in the three orientations autograd runs them.
 
-Writes ``gemm.csv``, ``attention.csv``, ``bandwidth.csv`` and ``environment.json`` to
+Writes ``gemm.csv``, ``gemm_alignment.csv``, ``attention.csv``, ``bandwidth.csv`` and
+``environment.json`` to
 ``--out``. These files are *fitting* data for the device's efficiency constants
 (``costmodel/efficiency.py``); the published end-to-end runs the cost model is checked
 against are never used to fit them.
@@ -121,6 +124,37 @@ def measure_gemms(dtype: torch.dtype, flush, max_bytes: float) -> list[dict]:
     return rows
 
 
+def alignment_shapes() -> list[tuple[int, int, int]]:
+    """(tokens, hidden, width) of linear layers whose width is or is not a multiple of 8:
+    vocabulary heads as models define them (GPT-2's 50,257, a 32,001-token vocabulary)
+    beside the padded widths engines round them to, and a plain linear one wider."""
+    return [(tokens, hidden, width)
+            for tokens in (4096, 16384)
+            for hidden in (1024, 2560, 4096)
+            for width in (50257, 50304, 32001, 32000, 4097, 4096)]
+
+
+def measure_alignment(dtype: torch.dtype, flush) -> list[dict]:
+    """A linear layer's three GEMMs as autograd runs them (forward ``F.linear(x, W)``, input
+    gradient ``dy @ W``, weight gradient ``dy.T @ x``), with W of shape (width, hidden):
+    where width is not a multiple of 8 no operand row is 16-byte aligned and cuBLAS falls
+    back to kernels without the aligned loads."""
+    rows = []
+    for tokens, hidden, width in alignment_shapes():
+        x = torch.randn(tokens, hidden, device="cuda", dtype=dtype)
+        w = torch.randn(width, hidden, device="cuda", dtype=dtype)
+        dy = torch.randn(tokens, width, device="cuda", dtype=dtype)
+        for gemm, fn in (("fwd", lambda: F.linear(x, w)), ("dgrad", lambda: dy @ w),
+                         ("wgrad", lambda: dy.t() @ x)):
+            t = timed(fn, flush=flush)
+            rows.append({"gemm": gemm, "tokens": tokens, "hidden": hidden, "width": width,
+                         "aligned": int(width % 8 == 0), "seconds": t,
+                         "tflops": 2 * tokens * hidden * width / t / 1e12})
+        del x, w, dy
+    torch.cuda.empty_cache()
+    return rows
+
+
 def measure_attention(dtype: torch.dtype, flush) -> list[dict]:
     from torch.nn.attention import SDPBackend, sdpa_kernel
     rows = []
@@ -197,6 +231,8 @@ def main(argv=None) -> int:
     p.add_argument("--out", required=True)
     p.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
     p.add_argument("--max-gemm-GB", type=float, default=8.0, help="skip GEMMs whose operands exceed this")
+    p.add_argument("--families", default="gemm,gemm_alignment,attention,bandwidth",
+                   help="comma-separated kernel families to measure (each writes <family>.csv)")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("gpu_kernels: no CUDA device", file=sys.stderr)
@@ -213,10 +249,16 @@ def main(argv=None) -> int:
            "command": "python benchmarks/gpu_kernels.py " + " ".join(sys.argv[1:] if argv is None else argv)}
     (out / "environment.json").write_text(json.dumps(env, indent=1) + "\n")
     t0 = time.time()
-    for name, fn in (("gemm", lambda: measure_gemms(dtype, flush, args.max_gemm_GB * 1e9)),
-                     ("attention", lambda: measure_attention(dtype, flush)),
-                     ("bandwidth", lambda: measure_bandwidth(dtype, flush))):
-        rows = fn()
+    families = {"gemm": lambda: measure_gemms(dtype, flush, args.max_gemm_GB * 1e9),
+                "gemm_alignment": lambda: measure_alignment(dtype, flush),
+                "attention": lambda: measure_attention(dtype, flush),
+                "bandwidth": lambda: measure_bandwidth(dtype, flush)}
+    chosen = [f for f in args.families.split(",") if f]
+    unknown = sorted(set(chosen) - set(families))
+    if unknown:
+        p.error(f"--families: unknown family {unknown[0]!r}; known: {', '.join(families)}")
+    for name in chosen:
+        rows = families[name]()
         write_csv(out / f"{name}.csv", rows)
         print(f"{name}: {len(rows)} rows ({time.time() - t0:.0f} s)", flush=True)
     return 0
