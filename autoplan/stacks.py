@@ -32,6 +32,8 @@ FlashAttention-2); 'flash3': Hopper-specific fused kernels (FlashAttention-3, cu
 Transformer Engine), FlashAttention-2 speed elsewhere."""
 GRAD_COLLECTIVES = ("reduce_scatter", "all_reduce")
 """Collectives a ZeRO-1/2 data-parallel group may reduce its gradients with."""
+TRAFFIC_WHERE = ("always", "autocast")
+"""Values of ``Stack.traffic_where``."""
 DEFAULT_STACK = "autoplan"
 TARGET_STACKS = {"autoplan": "autoplan", "megatron": "megatron-core", "deepspeed": "deepspeed",
                  "torchtitan": "torchtitan"}
@@ -116,6 +118,25 @@ class Stack:
     """Saved activations of the stack's own model code over the zoo's measured ones (1 where
     the zoo's layers save what the stack's layers save; fitted, with the data named in
     ``sources``, where the stack's code keeps more)."""
+    activation_traffic_scale: float = 1.0
+    """Bandwidth-bound traffic of the stack's model code over the zoo's measured bytes (1 where
+    its layers move what the zoo's bf16 layers move; fitted, with the data named in
+    ``sources``, where its code keeps wider types, as autocast's fp32 residual stream and
+    norms)."""
+    weight_cast_traffic_bytes_per_param: float = 0.0
+    """Memory traffic per parameter in each micro-batch's forward from weights kept in a wider
+    type than the GEMMs read (autocast casting an fp32 weight to bf16: read 4 B, write 2 B).
+    Not charged to embedding lookups, which read their table uncast."""
+    weight_grad_traffic_bytes_per_param: float = 0.0
+    """Memory traffic per parameter in each micro-batch's backward from the same: the weight
+    gradient cast back to the parameter's type and added into the accumulated gradient
+    (autocast: bf16 to fp32, read 2 B, write 4 B; fp32 add, read 8 B, write 4 B; charged on
+    every micro-batch, the first one's add included)."""
+    traffic_where: str = "always"
+    """Where the three traffic figures above apply: 'always', or 'autocast' (only where
+    autoplan's runtime computes under autocast -- one data-parallel replica, or DDP --
+    the FSDP-family wrappers computing on bf16 weight copies instead; see
+    ``autoplan.data_parallel``)."""
     loss_saved_bytes_per_logit: float = 4.0
     """Bytes per logit element the loss keeps from forward to backward (an fp32 softmax or
     log-softmax = 4; a fused cross entropy keeps almost none)."""
@@ -126,6 +147,11 @@ class Stack:
     and MLP inputs) are kept whole: the stack gathers the sequence before the matmul and
     autograd saves the gathered tensor. False: only the rank's sequence shard is kept and the
     backward gathers it again (Megatron-LM, Korthikanti et al. 2022, Sec. 4.2.2)."""
+    vocab_multiple: int = 1
+    """The engine pads the vocabulary to a multiple of this before it builds the embedding and
+    head (Megatron-LM's ``--make-vocab-size-divisible-by``, 128 by default, times the
+    tensor-parallel size, which is not counted here: at most 128 x (tp - 1) rows more), so
+    the head's GEMMs run on aligned rows; 1: the vocabulary as the model defines it."""
     vocab_parallel_loss: bool = True
     """The loss runs on vocabulary shards (Megatron's vocab-parallel cross entropy); False:
     the logits are gathered to the full vocabulary on every tensor-parallel rank first."""
@@ -172,6 +198,9 @@ class Stack:
             v = getattr(self, f.name)
             if f.type in ("float",) and (not isinstance(v, (int, float)) or v < 0 or v != v):
                 raise ConfigError(f"stack {self.name}.{f.name}", f"must be a finite number >= 0, got {v!r}")
+        if self.traffic_where not in TRAFFIC_WHERE:
+            raise ConfigError(f"stack {self.name}.traffic_where",
+                              f"{self.traffic_where!r} is not one of {list(TRAFFIC_WHERE)}")
         if self.sharded_grad_collective not in GRAD_COLLECTIVES:
             raise ConfigError(f"stack {self.name}.sharded_grad_collective",
                               f"{self.sharded_grad_collective!r} is not one of {list(GRAD_COLLECTIVES)}")
@@ -181,6 +210,9 @@ class Stack:
                 if getattr(self, name):
                     raise ConfigError(f"stack {self.name}.{name}", "is set but fp8_linears is false",
                                       "set fp8_linears to true, or drop the fp8 cast figures")
+        if self.activation_traffic_scale <= 0:
+            raise ConfigError(f"stack {self.name}.activation_traffic_scale",
+                              f"must be > 0, got {self.activation_traffic_scale}")
         if self.allocator_fragmentation >= 1:
             raise ConfigError(f"stack {self.name}.allocator_fragmentation",
                               f"must be < 1, got {self.allocator_fragmentation}")
@@ -197,9 +229,37 @@ class Stack:
                 self.fp8_cast_kernels_per_activation, self.fp8_cast_kernels_per_weight)
 
     @property
+    def traffic(self) -> tuple[float, float, float] | None:
+        """(activation traffic scale, forward and backward weight traffic in bytes per
+        parameter per micro-batch); None where the stack moves what the zoo's layers move
+        (see ``costmodel.compute``)."""
+        t = (self.activation_traffic_scale, self.weight_cast_traffic_bytes_per_param,
+             self.weight_grad_traffic_bytes_per_param)
+        return None if t == (1.0, 0.0, 0.0) else t
+
+    def traffic_for(self, dp: int, zero: int, pp: int, tp: int = 1, ep: int = 1,
+                    schedule: str = "1f1b") -> tuple[float, float, float] | None:
+        """``traffic`` where it applies to a plan with these degrees (``dp``: data-parallel
+        shards, context ranks included), else None."""
+        if self.traffic_where == "autocast" and self.traffic is not None:
+            from autoplan.data_parallel import runs_under_autocast
+            if not runs_under_autocast(dp, zero, pp, tp, schedule, ep):
+                return None
+        return self.traffic
+
+    @property
+    def least_traffic(self) -> tuple[float, float, float] | None:
+        """The traffic every plan pays (lower bounds may count on it)."""
+        return self.traffic if self.traffic_where == "always" else None
+
+    @property
     def spec_attention(self) -> str:
         """The zoo's attention implementation whose saved tensors this stack's kernel has."""
         return "math" if self.attention == "math" else "flash"
+
+    def padded_vocab(self, vocab: int) -> int:
+        """The vocabulary size this stack builds for a model's ``vocab`` (``vocab_multiple``)."""
+        return -(-vocab // self.vocab_multiple) * self.vocab_multiple
 
     def model_kernels(self) -> dict:
         """The model-config fields that make the zoo measure a layer as this stack runs it
@@ -261,6 +321,8 @@ class Stack:
                 continue
             if f.type == "bool":
                 values[f.name] = r.bool(key)
+            elif f.type == "int":
+                values[f.name] = r.int(key, minimum=1)
             elif f.type == "str":
                 values[f.name] = r.str(key, choices=_STR_CHOICES.get(f.name))
             elif f.type == "dict":
@@ -271,7 +333,8 @@ class Stack:
         return cls(**values).validate()
 
 
-_STR_CHOICES = {"attention": ATTENTION_KERNELS, "sharded_grad_collective": GRAD_COLLECTIVES}
+_STR_CHOICES = {"attention": ATTENTION_KERNELS, "sharded_grad_collective": GRAD_COLLECTIVES,
+                "traffic_where": TRAFFIC_WHERE}
 """Text fields and the values they accept."""
 _FILE_KEYS = {"cuda_context_bytes": "cuda_context_GiB", "nccl_bytes_per_group": "nccl_MiB_per_group",
               "dp_buffer_bytes": "dp_buffer_MiB", "forward_host_s_per_kernel": "forward_host_us_per_kernel"}

@@ -43,7 +43,7 @@ class ProfileSource(Protocol):
 
 
 def gemm_time(device: DeviceSpec, eff: Efficiency, m: float, n: float, k: float, count: float,
-              dtype: str) -> float:
+              dtype: str, aligned: bool = True) -> float:
     """Seconds for ``count`` GEMMs of (m x k) @ (k x n).
 
     Output tiles of ``eff.tile`` x ``eff.tile`` are spread over the device's SMs in waves;
@@ -52,12 +52,16 @@ def gemm_time(device: DeviceSpec, eff: Efficiency, m: float, n: float, k: float,
     stream-K): ``split`` slices of at least ``eff.split_k_min`` each run on otherwise idle
     SMs and their partial sums are added (the extra traffic counted in the memory term).
     Each tile's (or slice's) short-reduction loss is k / (k + k_half). The kernel takes the
-    longer of its compute and its memory traffic."""
+    longer of its compute and its memory traffic. Without 16-byte aligned rows (``aligned``
+    False) the library's fallback kernels run at ``eff.unaligned_matmul`` of the aligned rate,
+    measured flat in the shape."""
     if m <= 0 or n <= 0 or k <= 0 or count <= 0:
         return 0.0
     flops = 2.0 * m * n * k * count
     util, split = 1.0, 1.0
-    if device.compute_units and eff.tile > 1:
+    if not aligned and eff.unaligned_matmul < 1.0:
+        util = eff.unaligned_matmul
+    elif device.compute_units and eff.tile > 1:
         tm, tn = math.ceil(m / eff.tile), math.ceil(n / eff.tile)
         tiles = tm * tn * math.ceil(count)
         if tiles < device.compute_units and eff.split_k_min > 0:
@@ -66,13 +70,29 @@ def gemm_time(device: DeviceSpec, eff: Efficiency, m: float, n: float, k: float,
         waves = math.ceil(work / device.compute_units)
         util = (work / (waves * device.compute_units)) * (m * n) / (tm * tn * eff.tile ** 2)
     k_slice = k / split
-    k_eff = k_slice / (k_slice + eff.k_half)
+    k_eff = 1.0 if not aligned and eff.unaligned_matmul < 1.0 else k_slice / (k_slice + eff.k_half)
     t_compute = flops / (device.peak(dtype) * eff.matmul * util * k_eff)
     elem = DTYPE_BYTES[dtype]
     out = 2 if dtype == "fp8" else elem   # (fp8 GEMMs write their output in bf16)
     traffic = (m * k + k * n) * elem + m * n * out + (split - 1) * m * n * 4 * 2   # fp32 partials written and read
     t_memory = traffic * count / (device.memory_bandwidth * eff.memory)
     return max(t_compute, t_memory)
+
+
+ALIGNMENT_BYTES = 16
+"""Row alignment the GEMM libraries' fast kernels load with (cuBLAS, CUTLASS: 128-bit loads)."""
+
+
+def _aligned(g: Gemm, shape: tuple[float, float, float, float], dtype: str) -> bool:
+    """Whether a linear layer's weight dimensions on this rank (the two that are not the
+    token dimension) are whole multiples of 16 bytes; attention's batched products, whose
+    dimensions are sequence and head sizes, are not judged."""
+    if g.batch_dim == "count":
+        return True
+    m, n, k, _ = shape
+    weight = (n, k) if g.batch_dim == "m" else (m, n)
+    elements = ALIGNMENT_BYTES / DTYPE_BYTES[dtype]
+    return all(float(d) % elements == 0 for d in weight)
 
 
 def _gemms_time(device, eff, gemms: tuple[Gemm, ...], micro_batch: int, tp: int, dtype: str,
@@ -82,8 +102,9 @@ def _gemms_time(device, eff, gemms: tuple[Gemm, ...], micro_batch: int, tp: int,
     total = 0.0
     for g in gemms:
         if select(g):
-            total += gemm_time(device, eff, *g.shape(micro_batch, tp, ep, load),
-                               "fp8" if fp8 and _fp8_gemm(g) else dtype)
+            shape = g.shape(micro_batch, tp, ep, load)
+            kind = "fp8" if fp8 and _fp8_gemm(g) else dtype
+            total += gemm_time(device, eff, *shape, kind, _aligned(g, shape, kind))
     return total
 
 
@@ -116,14 +137,31 @@ def _fp8_casts(layer: LayerSpec, micro_batch: int, tp: int, fp8_cast: tuple) -> 
     return fwd, bwd, linears * (kernels_activation + kernels_weight), linears * kernels_activation
 
 
+def _weight_traffic(layer: LayerSpec, tp: int, ep: int, traffic: tuple | None) -> tuple[float, float, float]:
+    """(activation traffic scale, forward bytes, backward bytes) a layer's stack adds to the
+    zoo's measured traffic (``Stack.traffic``): the scale applies to the measured bytes, the
+    bytes come from the weights this rank holds (its share of routed experts under ``ep``)."""
+    if traffic is None:
+        return 1.0, 0.0, 0.0
+    scale, fwd_per_param, bwd_per_param = traffic
+    if layer.kind == "embedding":
+        return scale, 0.0, 0.0
+    params = layer.params_at(tp)
+    if layer.experts is not None and ep > 1:
+        params -= layer.experts.params.at(tp) * (1 - 1 / ep)
+    return scale, fwd_per_param * params, bwd_per_param * params
+
+
 def _roofline_terms(device: DeviceSpec, eff: Efficiency, layer: LayerSpec, micro_batch: int, tp: int,
                     sequence_parallel: bool, dtype: str, attention: str, ep: int, load: float,
-                    fp8_cast: tuple | None = None) -> tuple[float, ...]:
+                    fp8_cast: tuple | None = None, traffic: tuple | None = None) -> tuple[float, ...]:
     """Seconds of one layer's roofline by kind of work: (GEMMs forward, weight-gradient GEMMs,
     input-gradient GEMMs, fused attention forward, backward, bandwidth-bound kernels forward,
     backward, launches forward, backward). ``fp8_cast``: the blocks' linears run in fp8
-    (``Stack.fp8_cast``), their casts counted with the bandwidth-bound kernels."""
+    (``Stack.fp8_cast``), their casts counted with the bandwidth-bound kernels; ``traffic``:
+    the stack's own bandwidth-bound traffic (``Stack.traffic``), counted there too."""
     b, sp = micro_batch, sequence_parallel
+    scale, weight_f, weight_b = _weight_traffic(layer, tp, ep, traffic)
     peak = device.peak(dtype)
     causal = (0.5 if layer.causal else 1.0) * layer.attention_fraction
     bw = device.memory_bandwidth * eff.memory
@@ -135,38 +173,42 @@ def _roofline_terms(device: DeviceSpec, eff: Efficiency, layer: LayerSpec, micro
             _gemms_time(device, eff, layer.gemms_bwd, b, tp, dtype, lambda g: g.batch_dim != "k", ep, load, fp8),
             layer.attention_flops_fwd.at(tp) * b * causal / (peak * att_fwd),
             layer.attention_flops_bwd.at(tp) * b * causal / (peak * att_bwd),
-            (layer.memory_bytes_fwd.at(tp, sp) * b + cast_f) / bw, (layer.memory_bytes_bwd.at(tp, sp) * b + cast_b) / bw,
+            (layer.memory_bytes_fwd.at(tp, sp) * b * scale + cast_f + weight_f) / bw,
+            (layer.memory_bytes_bwd.at(tp, sp) * b * scale + cast_b + weight_b) / bw,
             (layer.kernels_fwd + kernels_f) * eff.launch_s, (layer.kernels_bwd + kernels_b) * eff.launch_s)
 
 
 @lru_cache(maxsize=65536)
 def roofline_timing(device: DeviceSpec, eff: Efficiency, layer: LayerSpec, micro_batch: int, tp: int,
                     sequence_parallel: bool, dtype: str, attention: str = "flash2", ep: int = 1,
-                    load: float = 1.0, fp8_cast: tuple | None = None) -> LayerTiming:
+                    load: float = 1.0, fp8_cast: tuple | None = None, traffic: tuple | None = None) -> LayerTiming:
     """Roofline estimate of one layer (cached: the search asks for the same layer often).
     ``attention`` is the fused attention kernel class of the training stack; ``ep`` and
     ``load`` shape a mixture-of-experts unit's expert GEMMs (see ``Gemm.shape``);
-    ``fp8_cast``: fp8 linears (``Stack.fp8_cast``)."""
+    ``fp8_cast``: fp8 linears (``Stack.fp8_cast``); ``traffic``: the stack's own
+    bandwidth-bound traffic (``Stack.traffic``)."""
     gemm_f, weight, data, attn_f, attn_b, mem_f, mem_b, launch_f, launch_b = _roofline_terms(
-        device, eff, layer, micro_batch, tp, sequence_parallel, dtype, attention, ep, load, fp8_cast)
+        device, eff, layer, micro_batch, tp, sequence_parallel, dtype, attention, ep, load, fp8_cast, traffic)
     fwd = gemm_f + attn_f + mem_f + launch_f
     other = attn_b + mem_b + launch_b
     bw = device.memory_bandwidth * eff.memory
     core = (_gemms_time(device, eff, layer.gemms_fwd, micro_batch, tp, dtype, lambda g: g.in_core,
                         fp8=_fp8_layer(layer, fp8_cast)) + attn_f
-            + layer.core_memory_bytes_fwd.at(tp, sequence_parallel) * micro_batch / bw)
+            + layer.core_memory_bytes_fwd.at(tp, sequence_parallel) * micro_batch
+            * _weight_traffic(layer, tp, ep, traffic)[0] / bw)
     return LayerTiming(forward=fwd, backward=weight + data + other, backward_input=data + other,
                        backward_weight=weight, recompute_selective=core, source="roofline")
 
 
 def roofline_parts(device: DeviceSpec, eff: Efficiency, layer: LayerSpec, micro_batch: int, tp: int,
                    sequence_parallel: bool, dtype: str, attention: str = "flash2",
-                   fp8_cast: tuple | None = None) -> dict[str, float]:
+                   fp8_cast: tuple | None = None, traffic: tuple | None = None) -> dict[str, float]:
     """Seconds of one forward and backward of ``layer`` under :func:`roofline_timing`, by kind
     of work: 'gemm', 'attention' (fused attention FLOPs), 'bandwidth' (bandwidth-bound
-    kernels, fp8 casts included) and 'launch'; they add up to its forward + backward."""
+    kernels, fp8 casts and the stack's own traffic included) and 'launch'; they add up to its
+    forward + backward."""
     gemm_f, weight, data, attn_f, attn_b, mem_f, mem_b, launch_f, launch_b = _roofline_terms(
-        device, eff, layer, micro_batch, tp, sequence_parallel, dtype, attention, 1, 1.0, fp8_cast)
+        device, eff, layer, micro_batch, tp, sequence_parallel, dtype, attention, 1, 1.0, fp8_cast, traffic)
     return {"gemm": gemm_f + weight + data, "attention": attn_f + attn_b, "bandwidth": mem_f + mem_b,
             "launch": launch_f + launch_b}
 
@@ -175,7 +217,7 @@ def layer_timing(device: DeviceSpec, layer: LayerSpec, micro_batch: int, tp: int
                  dtype: str, profiles: ProfileSource | None = None, attention: str = "flash2",
                  efficiency: Efficiency | None = None, ep: int = 1, load: float = 1.0,
                  forward_host_s_per_kernel: float = 0.0,
-                 fp8_cast: tuple | None = None) -> LayerTiming:
+                 fp8_cast: tuple | None = None, traffic: tuple | None = None) -> LayerTiming:
     """Measured timing when a profile covers this device and layer, else the roofline with
     ``efficiency`` (a calibration's), efficiencies fitted from profiles of this device, or
     the device family's defaults, in that order. Profiles time expert units on one rank at
@@ -185,7 +227,8 @@ def layer_timing(device: DeviceSpec, layer: LayerSpec, micro_batch: int, tp: int
     training stack's model code: a roofline forward that the GPU would finish sooner waits
     on the host (measured profiles already hold it). ``fp8_cast``: the blocks' linears run in
     fp8 (``Stack.fp8_cast``); profiles measure the plan's dtype, so the roofline times the
-    blocks then."""
+    blocks then. ``traffic``: the stack's own bandwidth-bound traffic (``Stack.traffic``;
+    a measured profile holds its runtime's)."""
     eff = efficiency
     if profiles is not None:
         if (layer.experts is None or (ep == 1 and load == 1.0)) and not _fp8_layer(layer, fp8_cast):
@@ -194,7 +237,7 @@ def layer_timing(device: DeviceSpec, layer: LayerSpec, micro_batch: int, tp: int
                 return measured
         eff = eff or profiles.efficiency(device)
     timing = roofline_timing(device, eff or default_efficiency(device.name), layer, micro_batch, tp,
-                             sequence_parallel, dtype, attention, ep, load, fp8_cast)
+                             sequence_parallel, dtype, attention, ep, load, fp8_cast, traffic)
     host = layer.kernels_fwd * forward_host_s_per_kernel
     if host > timing.forward:
         timing = replace(timing, forward=host)

@@ -7,7 +7,11 @@ Sources of the defaults:
 * H100: ``benchmarks/results/gpu/h100/`` (``python benchmarks/gpu_kernels.py``, H100 SXM
   80GB, PyTorch 2.11, cuBLAS of CUDA 13): 330 bf16 GEMMs fitted by ``gemm_time``'s model
   give matmul 0.72, k_half 63, memory 0.78 (mean |error| 5.6% over the transformer
-  shapes); PyTorch SDPA (FlashAttention-2 kernels) reaches 0.30 of peak forward and 0.27
+  shapes); ``gemm_alignment.csv`` of the same directory (``--families gemm_alignment``): a
+  linear layer whose width is not a multiple of 8 (GPT-2's 50,257-token head) runs its
+  forward, input- and weight-gradient GEMMs at 0.128 of peak together (median over 18
+  shapes, 0.107-0.133; their padded twins 0.73), cuBLAS then taking kernels without
+  16-byte loads: 0.18 of the aligned rate; PyTorch SDPA (FlashAttention-2 kernels) reaches 0.30 of peak forward and 0.27
   backward (median, seq >= 2048); elementwise kernels move 0.87 of HBM bandwidth.
   FlashAttention-3 reaches 0.6-0.75 of the H100's peak forward (Shah et al. 2024, Fig. 5)
   and about 0.5 backward; cuDNN / Transformer Engine kernels are of that class.
@@ -52,6 +56,10 @@ class Efficiency:
     """Reduction length at which a GEMM reaches half its large-k efficiency."""
     split_k_min: float = 512.0
     """Shortest reduction slice a split-K / stream-K GEMM gives one SM (0: no splitting)."""
+    unaligned_matmul: float = 1.0
+    """Rate of a linear layer's GEMM whose weight rows are not 16-byte aligned (a width not a
+    multiple of 8 in 2-byte types, an unpadded vocabulary head) relative to ``matmul``; it is
+    flat in the shape (1: as aligned, where not measured)."""
     flash3_fwd: float = 0.0
     """Hopper-specific fused attention (FlashAttention-3, cuDNN) forward; 0 = as attention_fwd."""
     flash3_bwd: float = 0.0
@@ -75,9 +83,9 @@ class (Dao 2023, abstract: "around 2x"; see the module docstring)."""
 _BY_FAMILY = {
     "A100": Efficiency(matmul=0.80, attention_fwd=0.62, attention_bwd=0.52),
     "H100": Efficiency(matmul=0.72, k_half=63.0, memory=0.78, attention_fwd=0.30, attention_bwd=0.27,
-                       flash3_fwd=0.60, flash3_bwd=0.45, launch_s=3e-6),
+                       flash3_fwd=0.60, flash3_bwd=0.45, launch_s=3e-6, unaligned_matmul=0.18),
     "H200": Efficiency(matmul=0.72, k_half=63.0, memory=0.78, attention_fwd=0.30, attention_bwd=0.27,
-                       flash3_fwd=0.60, flash3_bwd=0.45, launch_s=3e-6),
+                       flash3_fwd=0.60, flash3_bwd=0.45, launch_s=3e-6, unaligned_matmul=0.18),
     "V100": Efficiency(matmul=0.75, attention_fwd=0.45, attention_bwd=0.35, launch_s=5e-6),
     "T4": Efficiency(matmul=0.60, attention_fwd=0.40, attention_bwd=0.30, memory=0.75, launch_s=6e-6),
     "MI": Efficiency(matmul=0.55, attention_fwd=0.35, attention_bwd=0.30, launch_s=6e-6),

@@ -237,6 +237,7 @@ def stage_costs(model: ModelSpec, cluster: Cluster, plan: Plan, options: Estimat
         # Context ranks hold the same weights as data replicas: gradients are reduced, and
         # ZeRO shards, over both. Each rank does 1/cp of every layer's token-wise work.
         tp, dp = group.tp, group.dp * group.cp
+        traffic = stack.traffic_for(dp, plan.zero, plan.pp, tp, ep, plan.schedule)
         layers = [context_shard(l, cp) for l in model.layers[stage.start:stage.end]]
         tp_groups, dp_groups = tp_groups_of[id(group)], dp_groups_of[id(group)]
         fwd = bwd = bwd_i = bwd_w = 0.0
@@ -246,7 +247,7 @@ def stage_costs(model: ModelSpec, cluster: Cluster, plan: Plan, options: Estimat
             f = bi = bw = 0.0
             for layer in layers:
                 t = layer_timing(dev, layer, b, tp, sp, dtype, options.profiles, stack.attention, eff, ep, load,
-                                 stack.forward_host_s_per_kernel, stack.fp8_cast)
+                                 stack.forward_host_s_per_kernel, stack.fp8_cast, traffic)
                 if sources is not None:
                     src = label if label and t.source == "roofline" else t.source
                     prev = sources.get(dev.name)

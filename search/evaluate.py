@@ -185,7 +185,7 @@ class _GroupFigures:
             tables, sk, st = self.tables, self.sk, self.st
             group = sk.groups[g]
             stack = tables.stack
-            t = tables.table(sk.kinds[g], st.micro_batch, st.sequence_parallel).scalars
+            t = tables.table(sk.kinds[g], st.micro_batch, st.sequence_parallel, (sk, st, g)).scalars
             shards = group.dp * group.cp
             if st.zero >= 3 and shards > 1:
                 colls = ((stack.gathered_weights_bytes_per_param, tables.dp_affines(group, "all_gather"), "all_gather"),

@@ -86,11 +86,11 @@ class Splitter:
         # Under ZeRO-3 the cost depends on the group only through its collectives' costs.
         comm = (self.tables.dp_affines(group, "all_gather"), self.tables.dp_affines(group, "reduce_scatter")) \
             if z3 else None
-        key = (kind, st.micro_batch, st.sequence_parallel and kind.tp > 1, comm)
+        key = (kind, st.micro_batch, st.sequence_parallel and kind.tp > 1, comm, self.tables.traffic(sk, st, g))
         hit = self._time.get(key)
         if hit is not None:
             return hit
-        t = self.tables.table(kind, st.micro_batch, st.sequence_parallel)
+        t = self.tables.table(kind, st.micro_batch, st.sequence_parallel, (sk, st, g))
         cf, cbw = t.cum_forward, t.cum_backward_weight
         fwd = cf[None, :] - cf[:, None]
         bw = cbw[None, :] - cbw[:, None]

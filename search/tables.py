@@ -170,18 +170,36 @@ class Tables:
         self._p2p_classes: dict = {}
         self._opt_rate: dict = {}
         self._zero3_rates: dict = {}
+        self._traffic: dict = {}
 
     # --------------------------------------------------------------- layers
-    def table(self, kind: Kind, micro_batch: int, sequence_parallel: bool) -> LayerTable:
+    def table(self, kind: Kind, micro_batch: int, sequence_parallel: bool, exact_for=None) -> LayerTable:
+        """The units' costs on ``kind`` at this micro-batch size. Times count the stack's own
+        traffic where every plan pays it (``Stack.least_traffic``: what bounds may count on);
+        ``exact_for=(skeleton, setting, group index)`` counts it as that plan's group pays it
+        (``Stack.traffic_for``). Memory is the same either way."""
         sp = sequence_parallel and kind.tp > 1
-        key = (kind, micro_batch, sp)
+        traffic = self.stack.least_traffic if exact_for is None else self.traffic(*exact_for)
+        key = (kind, micro_batch, sp, traffic)
         t = self._tables.get(key)
         if t is None:
-            t = self._build(kind, micro_batch, sp)
+            t = self._build(kind, micro_batch, sp, traffic)
             self._tables[key] = t
         return t
 
-    def _build(self, kind: Kind, b: int, sp: bool) -> LayerTable:
+    def traffic(self, sk, st, g: int) -> tuple | None:
+        """The stack's own traffic as group ``g`` of skeleton ``sk`` under setting ``st``
+        pays it (``Stack.traffic_for``)."""
+        if self.stack.least_traffic == self.stack.traffic:
+            return self.stack.traffic         # (the same for every plan: most stacks)
+        group = sk.groups[g]
+        key = (group.dp * group.cp, st.zero, sk.pp, sk.kinds[g].tp, sk.ep, st.schedule)
+        hit = self._traffic.get(key, False)
+        if hit is False:
+            hit = self._traffic[key] = self.stack.traffic_for(*key)
+        return hit
+
+    def _build(self, kind: Kind, b: int, sp: bool, traffic: tuple | None) -> LayerTable:
         self.built += 1
         model, dtype, tp, cp, ep = self.model, self.dtype, kind.tp, kind.cp, kind.ep
         dev = self.cluster.groups[kind.pool].device
@@ -211,7 +229,7 @@ class Tables:
                 load = experts.expert_load(layer.experts, ep, b * (model.tokens_per_sample or model.seq_len) / cp,
                                            self.options.expert_load)
                 t = layer_timing(dev, layer, b, tp, sp, dtype, self.profiles, stack.attention, eff, ep, load,
-                                 stack.forward_host_s_per_kernel, stack.fp8_cast)
+                                 stack.forward_host_s_per_kernel, stack.fp8_cast, traffic)
                 tp_comm = 0.0
                 if tp > 1:
                     # As costmodel.estimate.stage_costs: row-parallel outputs all-reduced; the

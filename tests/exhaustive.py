@@ -179,8 +179,11 @@ def expert_degrees(model: ModelSpec, shards: int, space: Space) -> list[int]:
 
 
 def best_plan(model: ModelSpec, cluster: Cluster, global_batch: int, space: Space):
-    """(iteration seconds, plan, plans timed) of the fastest fitting plan, or (None, None, n)."""
-    best_t, best_p, count = None, None, 0
+    """(iteration seconds, plan, plans timed) of the fastest plan that leaves the memory margin
+    free, or where none does of the fastest that fits at all (tight), as the search ranks
+    them (docs/search.md); (None, None, n) when nothing fits."""
+    best = {False: (None, None), True: (None, None)}   # (by tightness)
+    count = 0
     L = model.num_layers
     for groups in pipelines(model, cluster, global_batch, space):
         pp = len(groups)
@@ -195,6 +198,8 @@ def best_plan(model: ModelSpec, cluster: Cluster, global_batch: int, space: Spac
                                 dtype=model.dtype, model=model.name, seq_len=model.seq_len, cp_comm=comm)
                     est = estimate(model, cluster, plan)
                     count += 1
-                    if est.fits and (best_t is None or est.iteration_time_s < best_t):
-                        best_t, best_p = est.iteration_time_s, plan
+                    t = best[est.tight][0]
+                    if est.fits and (t is None or est.iteration_time_s < t):
+                        best[est.tight] = (est.iteration_time_s, plan)
+    best_t, best_p = best[False] if best[False][0] is not None else best[True]
     return best_t, best_p, count

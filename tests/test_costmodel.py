@@ -196,3 +196,58 @@ def test_gradients_without_overlap_are_reduced_after_the_whole_schedule(schedule
         assert after.comm_end[g] == pytest.approx(after.compute_end[g] + reduce)
         assert after.rank_end[g] == pytest.approx(after.comm_end[g] + opt[g])
         assert after.rank_end[g] >= overlapped.rank_end[g] - 1e-12
+
+
+# ---------------------------------------------------------------- GEMM row alignment
+# (device, vocabulary, tensor-parallel size, dtype, head runs on the aligned path)
+ALIGNMENT_CASES = {
+    "gpt2-vocab-on-h100": ("H100", 50257, 1, "bf16", False),
+    "padded-vocab-on-h100": ("H100", 50304, 1, "bf16", True),
+    "padded-vocab-sharded-by-8": ("H100", 50304, 8, "bf16", True),
+    "vocab-not-divisible-by-tp": ("H100", 32000, 3, "bf16", False),
+    "fp32-rows-align-at-4": ("H100", 50260, 1, "fp32", True),
+    "same-width-in-bf16": ("H100", 50260, 1, "bf16", False),
+    "a100-not-measured": ("A100-80GB", 50257, 1, "bf16", True),
+}
+
+
+@pytest.mark.parametrize("case", list(ALIGNMENT_CASES), ids=list(ALIGNMENT_CASES))
+def test_unaligned_head_gemms_run_at_the_measured_fallback_rate(case):
+    from autoplan.catalog import get_device
+    from costmodel.compute import gemm_time, roofline_parts
+    from costmodel.efficiency import default_efficiency
+    device, vocab, tp, dtype, aligned = ALIGNMENT_CASES[case]
+    dev = get_device(device)
+    eff = default_efficiency(dev.name)
+    head = autoplan.models.transformer(layers=1, hidden=1024, heads=8, seq_len=1024, vocab=vocab).layers[-1]
+    gemm = roofline_parts(dev, eff, head, 4, tp, False, dtype)["gemm"]
+    as_aligned = sum(gemm_time(dev, eff, *g.shape(4, tp), dtype) for g in head.gemms_fwd + head.gemms_bwd)
+    if aligned:
+        assert gemm == pytest.approx(as_aligned, rel=1e-12)
+    else:
+        # Flat at unaligned_matmul of the aligned rate: slower than the aligned model by
+        # about its inverse (the aligned path also loses a little to tiles and short k).
+        assert eff.unaligned_matmul < 1
+        assert 0.7 / eff.unaligned_matmul < gemm / as_aligned < 1.0 / eff.unaligned_matmul
+
+
+def test_unaligned_rate_is_the_h100_measurement():
+    """efficiency.py's H100 figure is what benchmarks/results/gpu/h100/gemm_alignment.csv
+    measured: the three GEMMs of an unaligned linear layer together, as a share of the aligned
+    matmul efficiency (median over the measured shapes)."""
+    import csv
+    import statistics
+    from pathlib import Path
+    from autoplan.catalog import get_device
+    from costmodel.efficiency import default_efficiency
+    dev = get_device("H100")
+    eff = default_efficiency(dev.name)
+    rows = list(csv.DictReader(open(Path(__file__).parent.parent / "benchmarks/results/gpu/h100/gemm_alignment.csv")))
+    layers: dict = {}
+    for r in rows:
+        if not int(r["aligned"]):
+            key = (r["tokens"], r["hidden"], r["width"])
+            layers.setdefault(key, []).append(float(r["seconds"]) / (2 * int(r["tokens"]) * int(r["hidden"]) * int(r["width"])))
+    rates = [3 / sum(s_per_flop) / dev.peak("bf16") for s_per_flop in layers.values()]
+    assert len(rates) == 18
+    assert statistics.median(rates) / eff.matmul == pytest.approx(eff.unaligned_matmul, abs=0.01)

@@ -61,8 +61,11 @@ def test_unknown_stack_is_one_line_error(value, message):
     ({"schema_version": 99}, "schema_version"),
     ({"sharded_grad_collective": "broadcast"}, "sharded_grad_collective"),
     ({"fp8_cast_bytes_per_weight": 8.0}, "fp8_cast_bytes_per_weight"),
+    ({"activation_traffic_scale": 0}, "activation_traffic_scale"),
+    ({"vocab_multiple": 0}, "vocab_multiple"),
+    ({"vocab_multiple": 12.5}, "vocab_multiple"),
 ], ids=["kernel", "negative", "fragmentation", "type", "unknown-field", "version", "collective",
-        "fp8-casts-without-fp8"])
+        "fp8-casts-without-fp8", "no-traffic", "vocab-multiple-zero", "vocab-multiple-fraction"])
 def test_bad_stack_file_names_the_field(tmp_path, edit, field):
     data = get_stack("megatron-core").to_dict() | edit
     path = tmp_path / "mine.json"
@@ -149,7 +152,8 @@ def test_loss_runs_over_the_stack_s_logits(stack, tp, expected_share):
 
 
 def test_loss_bytes_land_on_the_last_stage_only():
-    model = autoplan.models.get("gpt2-small", seq_len=1024)
+    # (As the stack builds it: megatron-core pads the 50,257-token vocabulary to 50,304.)
+    model = autoplan.models.for_stack("gpt2-small", "megatron-core", seq_len=1024)
     cluster = autoplan.Cluster.homogeneous("A100-80GB", 1, 2)
     plan = autoplan.Plan.uniform(model, cluster, tp=1, pp=2, dp=1, micro_batch=4, global_batch=16)
     lean = dataclasses.replace(get_stack("megatron-core"), loss_saved_bytes_per_logit=0, loss_peak_bytes_per_logit=0)
@@ -449,3 +453,76 @@ def test_dropout_masks_are_measured():
     assert extra == pytest.approx(2 * b + 3 * 4 * 256 * 256, rel=0.01)
     with pytest.raises(ConfigError, match="dropout"):
         autoplan.models.transformer(**base, dropout=1.0)
+
+
+# (stack, the vocabulary it builds for GPT-2's 50,257 tokens)
+VOCAB_PADDING = {"megatron-core": 50304, "megatron-lm-2021": 50304, "megatron-deepspeed": 50304,
+                 "megatron-core-fp8": 50304, "torchtitan": 50257, "deepspeed": 50257, "autoplan": 50257}
+
+
+@pytest.mark.parametrize("stack", list(VOCAB_PADDING), ids=list(VOCAB_PADDING))
+def test_megatron_stacks_pad_the_vocabulary(stack):
+    model = autoplan.models.for_stack("gpt2-small", stack, seq_len=256)
+    assert model.config.vocab == VOCAB_PADDING[stack]
+    head = model.layers[-1].gemms_fwd[0]
+    assert head.n == VOCAB_PADDING[stack]
+
+
+def test_a_padded_head_is_faster_on_h100_only_where_unaligned_is_measured():
+    # Megatron pads GPT-2's vocabulary, so its head runs on the aligned kernels; unpadded
+    # (torchtitan), the head's GEMMs take the fallback kernels on H100, not on A100 (not measured).
+    times = {}
+    for device in ("H100", "A100-80GB"):
+        cluster = autoplan.Cluster.homogeneous(device, 1, 1)
+        for stack in ("megatron-core", "torchtitan"):
+            model = autoplan.models.for_stack("gpt2-medium", stack, seq_len=1024)
+            dev = cluster.slots[0].device
+            times[device, stack] = roofline_parts(dev, default_efficiency(dev.name), model.layers[-1], 4, 1, False,
+                                                  "bf16")["gemm"]
+    assert times["H100", "torchtitan"] > 3 * times["H100", "megatron-core"]
+    assert times["A100-80GB", "torchtitan"] == pytest.approx(times["A100-80GB", "megatron-core"], rel=0.01)
+
+
+def test_autoplan_traffic_scale_is_the_h100_fit():
+    """autoplan.json's activation_traffic_scale is what benchmarks/gpu_step_profile.py's fit
+    gives on the committed Llama-3.2-1B profile (its fitting model), and the weight traffic the
+    stack derives from autocast's code is within a quarter of that profile's intercept."""
+    import csv
+    import sys
+    from pathlib import Path
+    root = Path(__file__).parent.parent
+    sys.path.insert(0, str(root / "benchmarks"))
+    import gpu_step_profile
+    rows = list(csv.DictReader(open(root / "benchmarks/results/gpu/h100/step_profile.csv")))
+    fit = gpu_step_profile.traffic_fit(rows, get_device("H100"))[gpu_step_profile.FIT_MODEL]
+    stack = get_stack("autoplan")
+    assert fit["activation_traffic_scale"] == pytest.approx(stack.activation_traffic_scale, abs=0.02)
+    derived = stack.weight_cast_traffic_bytes_per_param + stack.weight_grad_traffic_bytes_per_param
+    assert fit["weight_bytes_per_param_per_micro_batch"] == pytest.approx(derived, rel=0.25)
+
+
+# (stack, layer kind, the bandwidth-bound seconds exceed the zoo's)
+TRAFFIC_CASES = {
+    "autoplan-block": ("autoplan", 1, True),
+    "autoplan-embedding-lookup-reads-uncast": ("autoplan", 0, True),
+    "megatron-core-block": ("megatron-core", 1, False),
+    "torchtitan-head": ("torchtitan", -1, False),
+}
+
+
+@pytest.mark.parametrize("case", list(TRAFFIC_CASES), ids=list(TRAFFIC_CASES))
+def test_stack_traffic_adds_to_the_zoo_bytes(case):
+    stack_name, index, more = TRAFFIC_CASES[case]
+    stack = get_stack(stack_name)
+    layer = autoplan.models.transformer(layers=1, hidden=1024, heads=8, seq_len=1024, vocab=32000).layers[index]
+    dev = get_device("H100")
+    eff = default_efficiency(dev.name)
+    zoo = roofline_parts(dev, eff, layer, 2, 1, False, "bf16")["bandwidth"]
+    own = roofline_parts(dev, eff, layer, 2, 1, False, "bf16", traffic=stack.traffic)["bandwidth"]
+    if not more:
+        assert stack.traffic is None and own == zoo
+    else:
+        scale, fwd, bwd = stack.traffic
+        weights = 0.0 if layer.kind == "embedding" else (fwd + bwd) * layer.params_at(1)
+        bw = dev.memory_bandwidth * eff.memory
+        assert own == pytest.approx(zoo * scale + weights / bw, rel=1e-9)

@@ -57,23 +57,22 @@ def get(source, dtype: str = "bf16", **overrides) -> ModelSpec:
 def for_stack(source, stack=None, dtype: str = "bf16", **overrides) -> ModelSpec:
     """The spec of ``source`` (anything :func:`get` takes) as ``stack`` runs it: a zoo or
     HuggingFace transformer is measured with the stack's kernels (attention, norm and the
-    fusions of ``Stack.model_kernels``), which decide what the layers save and move.
-    A ModelSpec without an architecture config, or of another family, is used as given."""
+    fusions of ``Stack.model_kernels``), which decide what the layers save and move, and
+    with the vocabulary the stack pads (``Stack.vocab_multiple``). A ModelSpec without an
+    architecture config, or of another family, is used as given."""
     import dataclasses
 
     from autoplan.stacks import get_stack
     stack = get_stack(stack)
-    kernels = stack.model_kernels()
-    if isinstance(source, ModelSpec):
-        cfg = source.config
-        if not isinstance(cfg, TransformerConfig) or all(getattr(cfg, k) == v for k, v in kernels.items()):
-            return source
-        return from_config(dataclasses.replace(cfg, **kernels).resolved(), source.dtype)
-    spec = get(source, dtype=dtype, **overrides)
-    if isinstance(spec.config, TransformerConfig) and not all(getattr(spec.config, k) == v
-                                                               for k, v in kernels.items()):
-        return from_config(dataclasses.replace(spec.config, **kernels).resolved(), dtype)
-    return spec
+    spec = source if isinstance(source, ModelSpec) else get(source, dtype=dtype, **overrides)
+    cfg = spec.config
+    if not isinstance(cfg, TransformerConfig):
+        return spec
+    # The stack's kernels, and the vocabulary it pads (Stack.vocab_multiple).
+    wanted = {**stack.model_kernels(), "vocab": stack.padded_vocab(cfg.vocab)}
+    if all(getattr(cfg, k) == v for k, v in wanted.items()):
+        return spec
+    return from_config(dataclasses.replace(cfg, **wanted).resolved(), spec.dtype)
 
 
 def is_config_path(source: str | os.PathLike) -> bool:

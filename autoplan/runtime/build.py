@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-from dataclasses import dataclass
 from typing import Iterable
 
 import torch
@@ -37,6 +36,7 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, P
                                                SequenceParallel, parallelize_module)
 from torch.utils.checkpoint import checkpoint
 
+from autoplan.data_parallel import DataParallelChoice, data_parallel_choice  # noqa: F401 (re-exported)
 from autoplan.errors import ConfigError
 from autoplan.models.config import SwinConfig, TransformerConfig
 from autoplan.models.zoo import build_model, init_rule
@@ -347,51 +347,6 @@ class RankModel(nn.Module):
 
 
 # ---------------------------------------------------------------- data parallel / ZeRO
-@dataclass(frozen=True)
-class DataParallelChoice:
-    """How the data-parallel dimension is realised for one plan."""
-
-    wrapper: str
-    """'none' (dp = 1), 'ddp' (DistributedDataParallel, ZeRO-0), 'replicate' (FSDP-family
-    replicate, ZeRO-0 where DDP cannot run) or 'fully_shard' (FSDP2)."""
-    reshard_after_forward: bool
-    """FSDP2: free gathered parameters after each unit's forward (true ZeRO-3)."""
-    note: str
-    """One line for logs and the run record: what the plan's zero stage became."""
-
-
-def data_parallel_choice(dp: int, zero: int, pp: int, tp: int = 1, schedule: str = "1f1b",
-                         ep: int = 1) -> DataParallelChoice:
-    if dp == 1:
-        return DataParallelChoice("none", False, "dp=1: no data parallelism (ZeRO has nothing to shard)")
-    if zero == 0:
-        if tp == 1 and pp == 1 and ep == 1:
-            # Plain DDP: one bucketed all-reduce overlapped with backward, the fastest ZeRO-0.
-            return DataParallelChoice("ddp", False, "ZeRO-0: DistributedDataParallel (bucketed all-reduce)")
-        # replicate_with_fsdp, not the older torch.distributed._composable.replicate, which
-        # computes silently wrong gradients under pipelining. DDP cannot hold DTensor
-        # (tensor-parallel) weights, and under the pipeline runtime's action lists its
-        # reducer asserts on the second step (it sees every parameter's gradient once per
-        # micro-batch), with interleaved and zero-bubble schedules as with 1F1B.
-        # Expert-parallel experts are DTensors too, averaged over their own replicas.
-        why = "tensor-parallel weights" if tp > 1 else "expert-parallel weights" if ep > 1 else "pipeline stages"
-        return DataParallelChoice("replicate", False, f"ZeRO-0: replicate (FSDP-family all-reduce; DDP cannot "
-                                  f"run {why})")
-    if zero in (1, 2):
-        return DataParallelChoice("fully_shard", False,
-                                  f"ZeRO-{zero}: approximated by FSDP2 with reshard_after_forward=False "
-                                  "(optimizer states and gradients sharded; parameters stay gathered "
-                                  "from forward to backward)")
-    if pp > 1:
-        # FSDP2 with reshard_after_forward=True under pipelining computes silently wrong
-        # gradients with the split-backward (zero-bubble) schedules; torchtitan never
-        # reshards after forward under PP, and neither do we, for every schedule.
-        return DataParallelChoice("fully_shard", False,
-                                  "ZeRO-3 under pipelining: FSDP2 with reshard_after_forward=False "
-                                  "(resharded after each stage's backward)")
-    return DataParallelChoice("fully_shard", True, "ZeRO-3: FSDP2 with reshard_after_forward=True")
-
-
 def apply_data_parallel(stage: StageModule, dp_mesh: DeviceMesh, choice: DataParallelChoice,
                         mp_policy=None, expert_dp_mesh: DeviceMesh | None = None) -> None:
     """The FSDP-family wrappers for data parallelism over ``dp_mesh`` on every unit (and the

@@ -71,7 +71,8 @@ def compute_split(device, layers, micro_batch: int, tp: int, sequence_parallel: 
     out = dict.fromkeys(COMPUTE_KINDS, 0.0)
     for layer in layers:
         for kind, seconds in roofline_parts(device, eff, layer, micro_batch, tp, sequence_parallel, dtype,
-                                            stack.attention, stack.fp8_cast).items():
+                                            stack.attention, stack.fp8_cast,
+                                            stack.traffic).items():
             out[kind] += seconds
     return out
 

@@ -1,0 +1,62 @@
+"""How autoplan's runtime realises a plan's data-parallel dimension: plain modules under
+autocast, DistributedDataParallel, or the FSDP-family wrappers with their mixed-precision
+policy. The runtime builds by it (:mod:`autoplan.runtime.build`) and the cost model reads it,
+since the two paths move different bytes (``autoplan.stacks.Stack.traffic_for``); it needs
+no torch."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class DataParallelChoice:
+    """How the data-parallel dimension is realised for one plan."""
+
+    wrapper: str
+    """'none' (dp = 1), 'ddp' (DistributedDataParallel, ZeRO-0), 'replicate' (FSDP-family
+    replicate, ZeRO-0 where DDP cannot run) or 'fully_shard' (FSDP2)."""
+    reshard_after_forward: bool
+    """FSDP2: free gathered parameters after each unit's forward (true ZeRO-3)."""
+    note: str
+    """One line for logs and the run record: what the plan's zero stage became."""
+
+
+def data_parallel_choice(dp: int, zero: int, pp: int, tp: int = 1, schedule: str = "1f1b",
+                         ep: int = 1) -> DataParallelChoice:
+    """The wrapper for ``dp`` data-parallel shards (context ranks included) at ZeRO stage
+    ``zero``, with the plan's pipeline, tensor and expert parallelism and schedule."""
+    if dp == 1:
+        return DataParallelChoice("none", False, "dp=1: no data parallelism (ZeRO has nothing to shard)")
+    if zero == 0:
+        if tp == 1 and pp == 1 and ep == 1:
+            # Plain DDP: one bucketed all-reduce overlapped with backward, the fastest ZeRO-0.
+            return DataParallelChoice("ddp", False, "ZeRO-0: DistributedDataParallel (bucketed all-reduce)")
+        # replicate_with_fsdp, not the older torch.distributed._composable.replicate, which
+        # computes silently wrong gradients under pipelining. DDP cannot hold DTensor
+        # (tensor-parallel) weights, and under the pipeline runtime's action lists its
+        # reducer asserts on the second step (it sees every parameter's gradient once per
+        # micro-batch), with interleaved and zero-bubble schedules as with 1F1B.
+        # Expert-parallel experts are DTensors too, averaged over their own replicas.
+        why = "tensor-parallel weights" if tp > 1 else "expert-parallel weights" if ep > 1 else "pipeline stages"
+        return DataParallelChoice("replicate", False, f"ZeRO-0: replicate (FSDP-family all-reduce; DDP cannot "
+                                  f"run {why})")
+    if zero in (1, 2):
+        return DataParallelChoice("fully_shard", False,
+                                  f"ZeRO-{zero}: approximated by FSDP2 with reshard_after_forward=False "
+                                  "(optimizer states and gradients sharded; parameters stay gathered "
+                                  "from forward to backward)")
+    if pp > 1:
+        # FSDP2 with reshard_after_forward=True under pipelining computes silently wrong
+        # gradients with the split-backward (zero-bubble) schedules; torchtitan never
+        # reshards after forward under PP, and neither do we, for every schedule.
+        return DataParallelChoice("fully_shard", False,
+                                  "ZeRO-3 under pipelining: FSDP2 with reshard_after_forward=False "
+                                  "(resharded after each stage's backward)")
+    return DataParallelChoice("fully_shard", True, "ZeRO-3: FSDP2 with reshard_after_forward=True")
+
+
+def runs_under_autocast(dp: int, zero: int, pp: int, tp: int = 1, schedule: str = "1f1b", ep: int = 1) -> bool:
+    """Whether the runtime computes a mixed-precision plan's layers under autocast (fp32
+    weights cast every forward): without data parallelism or with DDP. The FSDP-family
+    wrappers compute on bf16 copies of the weights instead (MixedPrecisionPolicy)."""
+    return data_parallel_choice(dp, zero, pp, tp, schedule, ep).wrapper in ("none", "ddp")
