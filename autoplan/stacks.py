@@ -137,6 +137,13 @@ class Stack:
     autoplan's runtime computes under autocast -- one data-parallel replica, or DDP --
     the FSDP-family wrappers computing on bf16 weight copies instead; see
     ``autoplan.data_parallel``)."""
+    recompute_early_stop: bool = False
+    """Full recomputation runs as PyTorch's non-reentrant checkpoint with early stopping
+    (``torch.utils.checkpoint``, ``use_reentrant=False``, on by default): a unit's forward is
+    re-run only up to its last save, so its trailing ops (the MLP's down projection, the
+    head's vocabulary GEMM) run once (``LayerSpec.recompute_prefix``). False: the whole
+    forward runs again (Megatron-LM's and DeepSpeed's checkpointing; torchtitan turns early
+    stopping off)."""
     loss_saved_bytes_per_logit: float = 4.0
     """Bytes per logit element the loss keeps from forward to backward (an fp32 softmax or
     log-softmax = 4; a fused cross entropy keeps almost none)."""
@@ -237,13 +244,14 @@ class Stack:
              self.weight_grad_traffic_bytes_per_param)
         return None if t == (1.0, 0.0, 0.0) else t
 
-    def traffic_for(self, dp: int, zero: int, pp: int, tp: int = 1, ep: int = 1,
-                    schedule: str = "1f1b") -> tuple[float, float, float] | None:
+    def traffic_for(self, dp: int, zero: int, pp: int, tp: int = 1, ep: int = 1, schedule: str = "1f1b",
+                    dtype: str = "bf16") -> tuple[float, float, float] | None:
         """``traffic`` where it applies to a plan with these degrees (``dp``: data-parallel
-        shards, context ranks included), else None."""
+        shards, context ranks included) computing in ``dtype``, else None. Autocast traffic
+        needs a half-precision plan: an fp32 plan runs its weights uncast."""
         if self.traffic_where == "autocast" and self.traffic is not None:
             from autoplan.data_parallel import runs_under_autocast
-            if not runs_under_autocast(dp, zero, pp, tp, schedule, ep):
+            if dtype not in ("bf16", "fp16") or not runs_under_autocast(dp, zero, pp, tp, schedule, ep):
                 return None
         return self.traffic
 
@@ -251,6 +259,13 @@ class Stack:
     def least_traffic(self) -> tuple[float, float, float] | None:
         """The traffic every plan pays (lower bounds may count on it)."""
         return self.traffic if self.traffic_where == "always" else None
+
+    def full_recompute_time(self, timing) -> float:
+        """Extra backward seconds of one layer under full recomputation on this stack, from its
+        ``costmodel.compute.LayerTiming``."""
+        if self.recompute_early_stop and timing.recompute_early_stop is not None:
+            return timing.recompute_early_stop
+        return timing.forward
 
     @property
     def spec_attention(self) -> str:

@@ -237,7 +237,7 @@ def stage_costs(model: ModelSpec, cluster: Cluster, plan: Plan, options: Estimat
         # Context ranks hold the same weights as data replicas: gradients are reduced, and
         # ZeRO shards, over both. Each rank does 1/cp of every layer's token-wise work.
         tp, dp = group.tp, group.dp * group.cp
-        traffic = stack.traffic_for(dp, plan.zero, plan.pp, tp, ep, plan.schedule)
+        traffic = stack.traffic_for(dp, plan.zero, plan.pp, tp, ep, plan.schedule, plan.dtype)
         layers = [context_shard(l, cp) for l in model.layers[stage.start:stage.end]]
         tp_groups, dp_groups = tp_groups_of[id(group)], dp_groups_of[id(group)]
         fwd = bwd = bwd_i = bwd_w = 0.0
@@ -252,7 +252,8 @@ def stage_costs(model: ModelSpec, cluster: Cluster, plan: Plan, options: Estimat
                     src = label if label and t.source == "roofline" else t.source
                     prev = sources.get(dev.name)
                     sources[dev.name] = src if prev in (None, src) else "mixed"
-                rec = {"none": 0.0, "selective": t.recompute_selective, "full": t.forward}[stage.recompute]
+                rec = {"none": 0.0, "selective": t.recompute_selective,
+                       "full": stack.full_recompute_time(t)}[stage.recompute]
                 f += t.forward
                 bi += t.backward_input + rec
                 bw += t.backward_weight

@@ -193,7 +193,7 @@ class Tables:
         if self.stack.least_traffic == self.stack.traffic:
             return self.stack.traffic         # (the same for every plan: most stacks)
         group = sk.groups[g]
-        key = (group.dp * group.cp, st.zero, sk.pp, sk.kinds[g].tp, sk.ep, st.schedule)
+        key = (group.dp * group.cp, st.zero, sk.pp, sk.kinds[g].tp, sk.ep, st.schedule, self.dtype)
         hit = self._traffic.get(key, False)
         if hit is False:
             hit = self._traffic[key] = self.stack.traffic_for(*key)
@@ -249,7 +249,7 @@ class Tables:
                     # The collectives of a unit under operator layouts (forward and backward apart).
                     f_, b_ = layout_comm(self.cluster, [tp_ranks], layer, b)
                     tp_comm, tp_back = tp_comm + f_, tp_back + b_
-                rec = (0.0, t.recompute_selective, t.forward)
+                rec = (0.0, t.recompute_selective, stack.full_recompute_time(t))
                 f, bwi, bww = t.forward * scale, t.backward_input * scale, t.backward_weight * scale
                 rec = tuple(r * scale for r in rec)
                 cp_f, cp_b, buffers = stage_exchange(self.cluster, cp_groups, kind.cp_comm, model, [layer], [dev],

@@ -264,3 +264,23 @@ def test_fused_softmax_is_recomputed_with_the_core():
     for fused in ({}, dict(fused_softmax=True)):
         block = _block(**fused)
         assert block.core_memory_bytes_fwd.sharded >= 2 * _HEADS * _S * _S * _B   # at least the softmax's read + write
+
+
+# unit -> (GEMMs re-run of the unit's forward GEMMs, attention re-run): PyTorch's
+# early-stopping checkpoint re-runs a unit's forward up to its last save only.
+EARLY_STOP_CASES = {
+    "gpt-block-skips-the-down-projection": ("gpt2-small", 1, "all-but-last", 1.0),
+    "llama-block-skips-the-down-projection": ("llama3.2-1b", 1, "all-but-last", 1.0),
+    "head-skips-its-vocabulary-gemm": ("gpt2-small", -1, "none", 0.0),
+}
+
+
+@pytest.mark.parametrize("case", list(EARLY_STOP_CASES), ids=list(EARLY_STOP_CASES))
+def test_recompute_prefix_stops_at_the_last_save(case):
+    name, index, gemms, attention = EARLY_STOP_CASES[case]
+    layer = autoplan.models.get(name, seq_len=256).layers[index]
+    pre = layer.recompute_prefix
+    assert pre.gemms == {"all-but-last": len(layer.gemms_fwd) - 1, "none": 0}[gemms]
+    assert pre.attention_share == attention
+    assert 0 < pre.kernels < layer.kernels_fwd
+    assert 0 < pre.memory_bytes.at(1) < layer.memory_bytes_fwd.at(1)

@@ -526,3 +526,21 @@ def test_stack_traffic_adds_to_the_zoo_bytes(case):
         weights = 0.0 if layer.kind == "embedding" else (fwd + bwd) * layer.params_at(1)
         bw = dev.memory_bandwidth * eff.memory
         assert own == pytest.approx(zoo * scale + weights / bw, rel=1e-9)
+
+
+@pytest.mark.parametrize("stack,early", [("autoplan", True), ("megatron-core", False), ("torchtitan", False)],
+                         ids=["autoplan-stops-early", "megatron-reruns-the-forward", "torchtitan-turns-it-off"])
+def test_full_recompute_reruns_what_the_stack_s_checkpoint_reruns(stack, early):
+    from costmodel.compute import layer_timing
+    model = autoplan.models.for_stack("gpt2-medium", stack, seq_len=1024)
+    cluster = autoplan.Cluster.homogeneous("H100", 1, 1)
+    plans = {mode: autoplan.Plan.uniform(model, cluster, tp=1, pp=1, dp=1, micro_batch=4, global_batch=8,
+                                         recompute=mode) for mode in ("none", "full")}
+    est = {mode: autoplan.estimate(model, cluster, plan, stack=stack) for mode, plan in plans.items()}
+    extra = est["full"].breakdown["compute"] - est["none"].breakdown["compute"]
+    forward = sum(layer_timing(get_device("H100"), l, 4, 1, False, "bf16", None, get_stack(stack).attention,
+                               traffic=get_stack(stack).traffic).forward for l in model.layers) * 2
+    if early:
+        assert 0.3 * forward < extra < 0.9 * forward
+    else:
+        assert extra == pytest.approx(forward, rel=1e-6)

@@ -27,7 +27,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode, flop_registry
 
 from autoplan.errors import ConfigError
-from autoplan.models.spec import ActivationBytes, ExpertSpec, Gemm, LayerSpec, ModelSpec, Split
+from autoplan.models.spec import ActivationBytes, ExpertSpec, Gemm, LayerSpec, ModelSpec, RecomputePrefix, Split
 
 _aten = torch.ops.aten
 _GEMMS = {_aten.mm.default, _aten.addmm.default, _aten.bmm.default, _aten.baddbmm.default}
@@ -47,6 +47,10 @@ class _Census:
     memory_bytes: float = 0.0
     core_memory_bytes: float = 0.0
     kernels: int = 0
+
+    def so_far(self) -> tuple[int, float, float, int]:
+        """(GEMMs, attention FLOPs, bytes moved, kernels) recorded until now."""
+        return len(self.gemms), self.attention_flops, self.memory_bytes, self.kernels
 
 
 class _CensusMode(TorchDispatchMode):
@@ -389,6 +393,10 @@ class _Measurement:
     input_bytes: float
     output_bytes: float
     output: torch.Tensor
+    last_save: tuple = (0, 0.0, 0.0, 0)
+    """The forward's census at its last save (``_Census.so_far``), loss excluded."""
+    saved_tensors: int = 0
+    """Tensors autograd saved in the forward (parameters included)."""
 
 
 def _cores(unit: nn.Module) -> list[nn.Module]:
@@ -474,10 +482,15 @@ def _flag_cores(unit: nn.Module, flags: list):
 
 
 class _SavedBytes:
-    """Counts distinct storages autograd saves, skipping parameters."""
+    """Counts distinct storages autograd saves, skipping parameters, and notes how much of the
+    forward had run at the last save (what an early-stopping checkpoint re-runs: autograd
+    saves an op's inputs before the op runs, its outputs after)."""
 
-    def __init__(self, param_storages: set):
+    def __init__(self, param_storages: set, census: "_Census | None" = None):
         self.params = param_storages
+        self.census = census
+        self.last_save = (0, 0.0, 0.0, 0)
+        self.packs = 0
         self.seen: dict[int, int] = {}
         self.core: dict[int, int] = {}
         self.experts: dict[int, int] = {}
@@ -486,6 +499,9 @@ class _SavedBytes:
         self.in_experts = False
 
     def pack(self, t: torch.Tensor):
+        self.packs += 1
+        if self.census is not None:
+            self.last_save = self.census.so_far()
         key = t.untyped_storage()._cdata
         if key not in self.params:
             nbytes = t.untyped_storage().nbytes()
@@ -503,8 +519,8 @@ def _measure(unit: nn.Module, x: torch.Tensor, loss=None) -> _Measurement:
     param_storages = {p.untyped_storage()._cdata for p in unit.parameters()}
     xs = tuple(t.detach().requires_grad_(True) if t.is_floating_point() else t
                for t in (x if isinstance(x, tuple) else (x,)))
-    saved = _SavedBytes(param_storages)
     census_f = _CensusMode()
+    saved = _SavedBytes(param_storages, census_f.census)
     nodes = _ExpertNodes()
     with _flag_cores(unit, [saved, census_f]), _flag_experts(unit, [saved, census_f], nodes):
         with FlopCounterMode(display=False) as fc_f:
@@ -523,7 +539,8 @@ def _measure(unit: nn.Module, x: torch.Tensor, loss=None) -> _Measurement:
         core_saved_bytes=float(core_saved), expert_params=expert_params,
         expert_saved_bytes=float(sum(saved.experts.values())), dispatch_bytes=float(nodes.input_bytes),
         input_bytes=float(sum(t.nbytes for t in xs)),
-        output_bytes=float(out.nbytes) if loss is None else 0.0, output=out.detach())
+        output_bytes=float(out.nbytes) if loss is None else 0.0, output=out.detach(),
+        last_save=saved.last_save, saved_tensors=saved.packs)
 
 
 def _measure_last(unit: nn.Module, x: torch.Tensor, loss) -> _Measurement:
@@ -534,7 +551,8 @@ def _measure_last(unit: nn.Module, x: torch.Tensor, loss) -> _Measurement:
     with_loss = _measure(unit, x, loss=loss)
     own = _measure(unit, x)
     return dataclasses.replace(with_loss, saved_bytes=own.saved_bytes, core_saved_bytes=own.core_saved_bytes,
-                               output_bytes=own.output_bytes)
+                               output_bytes=own.output_bytes, last_save=own.last_save,
+                               saved_tensors=own.saved_tensors)
 
 
 def _split(base: float, wide: float) -> Split:
@@ -614,7 +632,15 @@ def _layer_spec(name: str, unit: nn.Module, base: _Measurement, wide: _Measureme
         activation_bytes=ActivationBytes(none=none, selective=selective, full=full),
         output_bytes=base.output_bytes,
         tp_allreduces_fwd=_tp_allreduces(unit) if sharded else 0,
-        causal=causal, experts=experts)
+        causal=causal, experts=experts, recompute_prefix=_recompute_prefix(base, w))
+
+
+def _recompute_prefix(base: _Measurement, wide: _Measurement) -> RecomputePrefix:
+    gemms, attention, moved, kernels = base.last_save
+    return RecomputePrefix(
+        gemms=gemms, attention_share=attention / base.fwd.attention_flops if base.fwd.attention_flops else 0.0,
+        memory_bytes=_split(moved, wide.last_save[2]) if wide is not base else Split(replicated=moved),
+        kernels=kernels, saved_tensors=base.saved_tensors)
 
 
 def _swap(unit: nn.Module, name: str, module: nn.Module) -> None:

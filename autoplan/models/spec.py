@@ -112,6 +112,26 @@ class ActivationBytes:
 
 
 @dataclass(frozen=True)
+class RecomputePrefix:
+    """The part of a unit's forward that a checkpoint with early stopping re-runs: PyTorch's
+    non-reentrant checkpoint stops once the last tensor the backward saved is rebuilt, so the
+    ops after the unit's last save (its MLP's down projection and residual add, the head's
+    vocabulary GEMM) do not run again. Measured per sample, as the forward's figures."""
+
+    gemms: int
+    """How many of the unit's forward GEMMs (``LayerSpec.gemms_fwd``, in order) it re-runs."""
+    attention_share: float
+    """Share of the forward's fused-attention FLOPs it re-runs (0 or 1 for one core)."""
+    memory_bytes: Split
+    """Bytes its bandwidth-bound kernels move."""
+    kernels: int
+    """Kernels it launches."""
+    saved_tensors: int = 0
+    """Tensors autograd saves in the unit's forward (parameters included): each passes the
+    checkpoint's pack hook in the forward and its unpack hook in the backward."""
+
+
+@dataclass(frozen=True)
 class ExpertSpec:
     """The routed experts of a mixture-of-experts unit, measured at balanced load (every
     expert receives tokens x top_k / num_experts token slots)."""
@@ -184,6 +204,9 @@ class LayerSpec:
     window of w tokens over a sequence of s leaves about w/s of it."""
     experts: ExpertSpec | None = None
     """The unit's routed experts (mixture-of-experts units only)."""
+    recompute_prefix: RecomputePrefix | None = None
+    """What an early-stopping checkpoint re-runs of the forward (None: not measured; the
+    whole forward)."""
 
     def __post_init__(self):
         # Specs are hashed on every cost lookup; compute the hash once.

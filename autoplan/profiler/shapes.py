@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from autoplan.errors import ConfigError
 from autoplan.limits import MAX_EXPERTS
 from autoplan.models.config import TransformerConfig
-from autoplan.models.spec import ActivationBytes, ExpertSpec, Gemm, LayerSpec, Split
+from autoplan.models.spec import ActivationBytes, ExpertSpec, Gemm, LayerSpec, RecomputePrefix, Split
 
 TOKEN_ID_BYTES = 8
 """Bytes per input element of an embedding unit: token ids are int64."""
@@ -159,6 +159,15 @@ def spec_from_dict(d: dict, where: str = "spec") -> LayerSpec:
                           capacity_factor=x.float("capacity_factor", positive=True, maximum=1e6)
                           if x.has("capacity_factor") else None)
 
+    def recompute_prefix(x: FieldReader | None) -> RecomputePrefix | None:
+        if x is None:
+            return None     # (specs measured before it was recorded: the whole forward)
+        x.reject_unknown(("gemms", "attention_share", "memory_bytes", "kernels", "saved_tensors"))
+        return RecomputePrefix(gemms=x.int("gemms", minimum=0, maximum=100_000),
+                               attention_share=x.float("attention_share", minimum=0.0, maximum=1.0),
+                               memory_bytes=split("memory_bytes", x), kernels=x.int("kernels", minimum=0, maximum=10**9),
+                               saved_tensors=x.int("saved_tensors", 0, minimum=0, maximum=10**9))
+
     act = r.sub("activation_bytes")
     act.reject_unknown(("none", "selective", "full"))
     return LayerSpec(
@@ -173,7 +182,8 @@ def spec_from_dict(d: dict, where: str = "spec") -> LayerSpec:
         activation_bytes=ActivationBytes(**{k: split(k, act) for k in ("none", "selective", "full")}),
         output_bytes=num(r, "output_bytes"), tp_allreduces_fwd=r.int("tp_allreduces_fwd", minimum=0, maximum=10**6),
         causal=r.bool("causal"), experts=experts(r.sub("experts", None)),
-        attention_fraction=r.float("attention_fraction", 1.0, minimum=0.0, maximum=1.0))
+        attention_fraction=r.float("attention_fraction", 1.0, minimum=0.0, maximum=1.0),
+        recompute_prefix=recompute_prefix(r.sub("recompute_prefix", None)))
 
 
 # ------------------------------------------------------------------ shard configs
