@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import csv
 import gc
-import os
 import statistics
 import sys
 import time
@@ -32,7 +31,6 @@ if str(ROOT) not in sys.path:
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from autoplan.cluster import Cluster  # noqa: E402
 from autoplan.models.presets import get_config  # noqa: E402
 from autoplan import models  # noqa: E402
 from autoplan.plan import Plan  # noqa: E402
@@ -83,12 +81,8 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("gpu_memory: no CUDA device", file=sys.stderr)
         return 2
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29561")
-    torch.cuda.set_device(0)
-    dist.init_process_group("nccl", rank=0, world_size=1)
-    device = torch.cuda.get_device_name(0)
-    cluster = Cluster.homogeneous("H100" if "H100" in device else "H200" if "H200" in device else "A100", 1, 1)
+    from one_gpu import init_one_gpu
+    device, cluster = init_one_gpu(29561)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     path = out / "memory_runs.csv"

@@ -261,12 +261,8 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("gpu_step_profile: no CUDA device", file=sys.stderr)
         return 2
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29562")
-    torch.cuda.set_device(0)
-    dist.init_process_group("nccl", rank=0, world_size=1)
-    device = torch.cuda.get_device_name(0)
-    cluster = Cluster.homogeneous("H100" if "H100" in device else "H200" if "H200" in device else "A100", 1, 1)
+    from one_gpu import init_one_gpu
+    device, cluster = init_one_gpu(29562)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     rows, top = [], []
