@@ -18,6 +18,7 @@ dispatcher, autocast and DTensor) rather than on the GPU; a kind whose measured 
 are well above its predicted ones is where the model is optimistic.
 
     python benchmarks/gpu_step_profile.py --out benchmarks/results/gpu/h100
+    python benchmarks/gpu_step_profile.py --check benchmarks/results/gpu/h100/step_profile.csv   # no GPU
 """
 from __future__ import annotations
 
@@ -251,13 +252,45 @@ def profile_one(name: str, seq: int, mb: int, recompute: str, accumulation: int,
     return row
 
 
+def check(rows: list[dict]) -> list[dict]:
+    """The cost model's step for each profiled plan (stack ``autoplan``, as it stands now)
+    against the plan's measured GPU busy time and wall time: no GPU needed, so a committed
+    profile checks every later change of the model."""
+    out = []
+    for r in rows:
+        device = r["device"]
+        cluster = Cluster.homogeneous("H100" if "H100" in device else "H200" if "H200" in device else "A100", 1, 1)
+        name, seq, mb = r["model"], int(r["seq_len"]), int(r["micro_batch"])
+        spec = models.from_config(get_config(name, seq_len=seq), "bf16")
+        plan = Plan.uniform(spec, cluster, tp=1, pp=1, dp=1, micro_batch=mb,
+                            global_batch=mb * int(r["accumulation"]), recompute=r["recompute"])
+        predicted_s = autoplan.estimate(spec, cluster, plan, stack="autoplan").iteration_time_s
+        out.append({"plan": f"{name} seq {seq} mb {mb} {r['recompute']}", "predicted_s": predicted_s,
+                    "busy_error": float(r["measured_busy_s"]) / predicted_s - 1,
+                    "step_error": float(r["measured_step_s"]) / predicted_s - 1})
+    return out
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", required=True)
+    p.add_argument("--out", help="directory for step_profile.csv and step_profile_kernels.csv")
+    p.add_argument("--check", metavar="CSV",
+                   help="no profiling: compare the cost model with a profile written before (no GPU needed)")
     p.add_argument("--accumulation", type=int, default=2, help="micro-batches per step")
     p.add_argument("--warmup", type=int, default=3, help="unprofiled steps (the first not timed)")
     p.add_argument("--steps", type=int, default=3, help="profiled steps per plan")
     args = p.parse_args(argv)
+    if args.check:
+        with open(args.check) as f:
+            results = check(list(csv.DictReader(f)))
+        for c in results:
+            print(f"{c['plan']:34s} predicted {c['predicted_s']:.4f} s; measured / predicted - 1: "
+                  f"GPU busy {c['busy_error']:+.0%}, wall step {c['step_error']:+.0%}")
+        busy = [c["busy_error"] for c in results]
+        print(f"GPU busy time / predicted - 1: {min(busy):+.0%} to {max(busy):+.0%} over {len(busy)} plans")
+        return 0
+    if not args.out:
+        p.error("--out is required (or --check CSV)")
     if not torch.cuda.is_available():
         print("gpu_step_profile: no CUDA device", file=sys.stderr)
         return 2

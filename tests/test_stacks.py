@@ -544,3 +544,19 @@ def test_full_recompute_reruns_what_the_stack_s_checkpoint_reruns(stack, early):
         assert 0.3 * forward < extra < 0.9 * forward
     else:
         assert extra == pytest.approx(forward, rel=1e-6)
+
+
+def test_the_committed_h100_profile_holds_the_gpu_work_within_a_fifth():
+    """benchmarks/gpu_step_profile.py --check on the committed H100 profile: every plan's
+    predicted step is within 20% of its measured GPU busy time (the wall time of small
+    models' steps is the host's, which the model does not claim)."""
+    import csv
+    import sys
+    from pathlib import Path
+    root = Path(__file__).parent.parent
+    sys.path.insert(0, str(root / "benchmarks"))
+    import gpu_step_profile
+    rows = list(csv.DictReader(open(root / "benchmarks/results/gpu/h100/step_profile.csv")))
+    results = gpu_step_profile.check(rows)
+    assert len(results) == 13
+    assert all(abs(c["busy_error"]) < 0.20 for c in results), results
