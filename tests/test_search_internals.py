@@ -67,6 +67,8 @@ HOMOGENEOUS = {
                                  cp_comm="all_gather"),
     "cp4-a2a-sp-full": dict(tp=2, cp=4, pp=2, dp=1, micro_batch=1, global_batch=8, cp_comm="a2a",
                             sequence_parallel=True, recompute="full"),
+    # autoplan's runtime runs this one with DDP under autocast (the stack's own traffic).
+    "ddp-autocast-full": dict(tp=1, pp=1, dp=4, micro_batch=2, global_batch=16, zero=0, recompute="full"),
 }
 CLUSTER = Cluster.homogeneous("A100-80GB", 2, 8, inter_node_GBps=25)
 MIXED = Cluster.load("examples/clusters/small-mixed-v100-t4.json")
