@@ -202,12 +202,12 @@ def roofline_timing(device: DeviceSpec, eff: Efficiency, layer: LayerSpec, micro
     return LayerTiming(forward=fwd, backward=weight + data + other, backward_input=data + other,
                        backward_weight=weight, recompute_selective=core, source="roofline",
                        recompute_early_stop=_early_stop_time(device, eff, layer, micro_batch, tp, sequence_parallel,
-                                                             dtype, attention, fp8_cast, traffic))
+                                                             dtype, attention, ep, load, fp8_cast, traffic))
 
 
 def _early_stop_time(device: DeviceSpec, eff: Efficiency, layer: LayerSpec, micro_batch: int, tp: int,
-                     sequence_parallel: bool, dtype: str, attention: str, fp8_cast: tuple | None,
-                     traffic: tuple | None) -> float | None:
+                     sequence_parallel: bool, dtype: str, attention: str, ep: int, load: float,
+                     fp8_cast: tuple | None, traffic: tuple | None) -> float | None:
     """Roofline seconds of the part of the layer's forward an early-stopping checkpoint re-runs
     (``LayerSpec.recompute_prefix``): its leading GEMMs, attention, bandwidth-bound bytes and
     launches, and every cast of a weight or fp8 input (each runs before the GEMM that saves it);
@@ -218,10 +218,10 @@ def _early_stop_time(device: DeviceSpec, eff: Efficiency, layer: LayerSpec, micr
         return None
     fp8 = _fp8_layer(layer, fp8_cast)
     cast_f, _, kernels_f, _ = _fp8_casts(layer, micro_batch, tp, fp8_cast) if fp8 else (0.0, 0.0, 0, 0)
-    scale, weight_f, _ = _weight_traffic(layer, tp, 1, traffic)
+    scale, weight_f, _ = _weight_traffic(layer, tp, ep, traffic)
     causal = (0.5 if layer.causal else 1.0) * layer.attention_fraction
     att_fwd, _ = eff.attention(attention)
-    return (_gemms_time(device, eff, layer.gemms_fwd[:pre.gemms], micro_batch, tp, dtype, fp8=fp8)
+    return (_gemms_time(device, eff, layer.gemms_fwd[:pre.gemms], micro_batch, tp, dtype, ep=ep, load=load, fp8=fp8)
             + layer.attention_flops_fwd.at(tp) * micro_batch * causal * pre.attention_share
             / (device.peak(dtype) * att_fwd)
             + (pre.memory_bytes.at(tp, sequence_parallel) * micro_batch * scale + cast_f + weight_f)
