@@ -195,38 +195,26 @@ def roofline_timing(device: DeviceSpec, eff: Efficiency, layer: LayerSpec, micro
     fwd = gemm_f + attn_f + mem_f + launch_f
     other = attn_b + mem_b + launch_b
     bw = device.memory_bandwidth * eff.memory
-    core = (_gemms_time(device, eff, layer.gemms_fwd, micro_batch, tp, dtype, lambda g: g.in_core,
-                        fp8=_fp8_layer(layer, fp8_cast)) + attn_f
-            + layer.core_memory_bytes_fwd.at(tp, sequence_parallel) * micro_batch
-            * _weight_traffic(layer, tp, ep, traffic)[0] / bw)
+    fp8 = _fp8_layer(layer, fp8_cast)
+    scale = _weight_traffic(layer, tp, ep, traffic)[0]
+    core = (_gemms_time(device, eff, layer.gemms_fwd, micro_batch, tp, dtype, lambda g: g.in_core, fp8=fp8) + attn_f
+            + layer.core_memory_bytes_fwd.at(tp, sequence_parallel) * micro_batch * scale / bw)
+    early, pre = None, layer.recompute_prefix
+    if pre is not None:
+        # What an early-stopping checkpoint re-runs (LayerSpec.recompute_prefix): the forward
+        # less the GEMMs, bytes and kernels after the unit's last save (every cast of a
+        # weight or fp8 input stays: each runs before the GEMM that saves it), plus the
+        # checkpoint's own hooks, a pack and an unpack per saved tensor, each charged as a
+        # launch (Python calls, like an op's dispatch).
+        tail_bytes = (layer.memory_bytes_fwd.at(tp, sequence_parallel)
+                      - pre.memory_bytes.at(tp, sequence_parallel)) * micro_batch * scale
+        early = (_gemms_time(device, eff, layer.gemms_fwd[:pre.gemms], micro_batch, tp, dtype, ep=ep, load=load,
+                             fp8=fp8)
+                 + attn_f * pre.attention_share + mem_f - tail_bytes / bw
+                 + launch_f + (2 * pre.saved_tensors - (layer.kernels_fwd - pre.kernels)) * eff.launch_s)
     return LayerTiming(forward=fwd, backward=weight + data + other, backward_input=data + other,
                        backward_weight=weight, recompute_selective=core, source="roofline",
-                       recompute_early_stop=_early_stop_time(device, eff, layer, micro_batch, tp, sequence_parallel,
-                                                             dtype, attention, ep, load, fp8_cast, traffic))
-
-
-def _early_stop_time(device: DeviceSpec, eff: Efficiency, layer: LayerSpec, micro_batch: int, tp: int,
-                     sequence_parallel: bool, dtype: str, attention: str, ep: int, load: float,
-                     fp8_cast: tuple | None, traffic: tuple | None) -> float | None:
-    """Roofline seconds of the part of the layer's forward an early-stopping checkpoint re-runs
-    (``LayerSpec.recompute_prefix``): its leading GEMMs, attention, bandwidth-bound bytes and
-    launches, and every cast of a weight or fp8 input (each runs before the GEMM that saves it);
-    plus the checkpoint's own hooks, a pack and an unpack per saved tensor, each charged as a
-    launch (Python calls, like an op's dispatch)."""
-    pre = layer.recompute_prefix
-    if pre is None:
-        return None
-    fp8 = _fp8_layer(layer, fp8_cast)
-    cast_f, _, kernels_f, _ = _fp8_casts(layer, micro_batch, tp, fp8_cast) if fp8 else (0.0, 0.0, 0, 0)
-    scale, weight_f, _ = _weight_traffic(layer, tp, ep, traffic)
-    causal = (0.5 if layer.causal else 1.0) * layer.attention_fraction
-    att_fwd, _ = eff.attention(attention)
-    return (_gemms_time(device, eff, layer.gemms_fwd[:pre.gemms], micro_batch, tp, dtype, ep=ep, load=load, fp8=fp8)
-            + layer.attention_flops_fwd.at(tp) * micro_batch * causal * pre.attention_share
-            / (device.peak(dtype) * att_fwd)
-            + (pre.memory_bytes.at(tp, sequence_parallel) * micro_batch * scale + cast_f + weight_f)
-            / (device.memory_bandwidth * eff.memory)
-            + (pre.kernels + kernels_f + 2 * pre.saved_tensors) * eff.launch_s)
+                       recompute_early_stop=early)
 
 
 def roofline_parts(device: DeviceSpec, eff: Efficiency, layer: LayerSpec, micro_batch: int, tp: int,
