@@ -20,8 +20,8 @@ import autoplan
 from autoplan.errors import ConfigError
 from autoplan.models.presets import get_config
 from autoplan.plan import DeviceGroup, Plan, Stage
-from autoplan.runtime.build import (SumGradientOverRanks, data_parallel_choice, materialize_units, meta_model,
-                                    tensor_parallel_styles)
+from autoplan.data_parallel import data_parallel_choice
+from autoplan.runtime.build import SumGradientOverRanks, materialize_units, meta_model, tensor_parallel_styles
 from autoplan.runtime.data import DataSource, replica_slice, synthetic_batch
 from autoplan.runtime.layout import check_plan_supported, mesh_tensor, rank_layout
 from autoplan.runtime.record import RunRecord, compare_with_estimate, load_record

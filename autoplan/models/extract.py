@@ -486,7 +486,7 @@ class _SavedBytes:
     forward had run at the last save (what an early-stopping checkpoint re-runs: autograd
     saves an op's inputs before the op runs, its outputs after)."""
 
-    def __init__(self, param_storages: set, census: "_Census | None" = None):
+    def __init__(self, param_storages: set, census: _Census):
         self.params = param_storages
         self.census = census
         self.last_save = (0, 0.0, 0.0, 0)
@@ -500,8 +500,7 @@ class _SavedBytes:
 
     def pack(self, t: torch.Tensor):
         self.packs += 1
-        if self.census is not None:
-            self.last_save = self.census.so_far()
+        self.last_save = self.census.so_far()
         key = t.untyped_storage()._cdata
         if key not in self.params:
             nbytes = t.untyped_storage().nbytes()

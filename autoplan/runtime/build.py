@@ -36,7 +36,7 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, P
                                                SequenceParallel, parallelize_module)
 from torch.utils.checkpoint import checkpoint
 
-from autoplan.data_parallel import DataParallelChoice, data_parallel_choice  # noqa: F401 (re-exported)
+from autoplan.data_parallel import DataParallelChoice
 from autoplan.errors import ConfigError
 from autoplan.models.config import SwinConfig, TransformerConfig
 from autoplan.models.zoo import build_model, init_rule

@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from autoplan.data_parallel import data_parallel_choice
 from autoplan.errors import ConfigError
 from autoplan.models.config import SwinConfig, TransformerConfig
 from autoplan.models.zoo import loss_fn as zoo_loss_fn
@@ -243,7 +244,7 @@ class Trainer:
                      "fp32, so its step time and memory are not the plan's (run it on GPUs for those)")
         # Context ranks hold the same weights as data replicas: gradients are averaged, and
         # ZeRO shards states, over both (Megatron-Core's data-parallel-with-context group).
-        self.dp_choice = B.data_parallel_choice(lay.dp * lay.cp, plan.zero, lay.pp, lay.tp, plan.schedule, plan.ep)
+        self.dp_choice = data_parallel_choice(lay.dp * lay.cp, plan.zero, lay.pp, lay.tp, plan.schedule, plan.ep)
         mp_policy, autocast = None, self.compute_dtype
         if self.compute_dtype is not None and self.dp_choice.wrapper in ("replicate", "fully_shard"):
             from torch.distributed.fsdp import MixedPrecisionPolicy
