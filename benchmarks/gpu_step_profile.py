@@ -256,10 +256,10 @@ def check(rows: list[dict]) -> list[dict]:
     """The cost model's step for each profiled plan (stack ``autoplan``, as it stands now)
     against the plan's measured GPU busy time and wall time: no GPU needed, so a committed
     profile checks every later change of the model."""
+    from one_gpu import one_gpu_cluster
     out = []
     for r in rows:
-        device = r["device"]
-        cluster = Cluster.homogeneous("H100" if "H100" in device else "H200" if "H200" in device else "A100", 1, 1)
+        cluster = one_gpu_cluster(r["device"])
         name, seq, mb = r["model"], int(r["seq_len"]), int(r["micro_batch"])
         spec = models.from_config(get_config(name, seq_len=seq), "bf16")
         plan = Plan.uniform(spec, cluster, tp=1, pp=1, dp=1, micro_batch=mb,

@@ -483,17 +483,24 @@ def test_a_padded_head_is_faster_on_h100_only_where_unaligned_is_measured():
     assert times["A100-80GB", "torchtitan"] == pytest.approx(times["A100-80GB", "megatron-core"], rel=0.01)
 
 
-def test_autoplan_traffic_scale_is_the_h100_fit():
-    """autoplan.json's activation_traffic_scale is what benchmarks/gpu_step_profile.py's fit
-    gives on the committed Llama-3.2-1B profile (its fitting model), and the weight traffic the
-    stack derives from autocast's code is within a quarter of that profile's intercept."""
+def _h100_profile():
+    """benchmarks/gpu_step_profile.py and the rows of its committed H100 profile."""
     import csv
     import sys
     from pathlib import Path
     root = Path(__file__).parent.parent
-    sys.path.insert(0, str(root / "benchmarks"))
+    if str(root / "benchmarks") not in sys.path:
+        sys.path.insert(0, str(root / "benchmarks"))
     import gpu_step_profile
-    rows = list(csv.DictReader(open(root / "benchmarks/results/gpu/h100/step_profile.csv")))
+    with open(root / "benchmarks/results/gpu/h100/step_profile.csv") as f:
+        return gpu_step_profile, list(csv.DictReader(f))
+
+
+def test_autoplan_traffic_scale_is_the_h100_fit():
+    """autoplan.json's activation_traffic_scale is what benchmarks/gpu_step_profile.py's fit
+    gives on the committed Llama-3.2-1B profile (its fitting model), and the weight traffic the
+    stack derives from autocast's code is within a quarter of that profile's intercept."""
+    gpu_step_profile, rows = _h100_profile()
     fit = gpu_step_profile.traffic_fit(rows, get_device("H100"))[gpu_step_profile.FIT_MODEL]
     stack = get_stack("autoplan")
     assert fit["activation_traffic_scale"] == pytest.approx(stack.activation_traffic_scale, abs=0.02)
@@ -550,13 +557,7 @@ def test_the_committed_h100_profile_holds_the_gpu_work_within_a_fifth():
     """benchmarks/gpu_step_profile.py --check on the committed H100 profile: every plan's
     predicted step is within 20% of its measured GPU busy time (the wall time of small
     models' steps is the host's, which the model does not claim)."""
-    import csv
-    import sys
-    from pathlib import Path
-    root = Path(__file__).parent.parent
-    sys.path.insert(0, str(root / "benchmarks"))
-    import gpu_step_profile
-    rows = list(csv.DictReader(open(root / "benchmarks/results/gpu/h100/step_profile.csv")))
+    gpu_step_profile, rows = _h100_profile()
     results = gpu_step_profile.check(rows)
     assert len(results) == 13
     assert all(abs(c["busy_error"]) < 0.20 for c in results), results
