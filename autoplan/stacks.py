@@ -272,9 +272,11 @@ class Stack:
         """The zoo's attention implementation whose saved tensors this stack's kernel has."""
         return "math" if self.attention == "math" else "flash"
 
-    def padded_vocab(self, vocab: int) -> int:
-        """The vocabulary size this stack builds for a model's ``vocab`` (``vocab_multiple``)."""
-        return -(-vocab // self.vocab_multiple) * self.vocab_multiple
+    def padded_vocab(self, vocab: int, tp: int = 1) -> int:
+        """The vocabulary size this stack builds for a model's ``vocab`` at tensor-parallel
+        size ``tp`` (a multiple of ``vocab_multiple`` x tp, Megatron-LM's rule)."""
+        step = self.vocab_multiple * tp if self.vocab_multiple > 1 else 1
+        return -(-vocab // step) * step
 
     def model_kernels(self) -> dict:
         """The model-config fields that make the zoo measure a layer as this stack runs it

@@ -162,7 +162,8 @@ def test_float8_runs_are_paired_with_their_bf16_twin(built):
 
 
 def test_megatron_pads_the_vocabulary_per_tensor_parallel_degree():
-    assert [T.megatron_vocab(50257, tp) for tp in (1, 2, 4)] == [50304, 50432, 50688]
+    assert [get_stack("megatron-deepspeed").padded_vocab(50257, tp) for tp in (1, 2, 4)] == [50304, 50432, 50688]
+    assert get_stack("torchtitan").padded_vocab(50257, 4) == 50257     # (pads nothing)
 
 
 def _pick(built, name, predicate):

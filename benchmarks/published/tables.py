@@ -294,12 +294,6 @@ def nodes_of(device, gpus: int, inter_node_GBps: float, gpus_per_node: int = 8,
                                inter_node_GBps=inter_node_GBps, intra_node_GBps=intra_node_GBps)
 
 
-def megatron_vocab(vocab: int, tp: int, divisible_by: int = 128) -> int:
-    """The vocabulary Megatron-LM pads to (``--make-vocab-size-divisible-by`` x tp)."""
-    step = divisible_by * tp
-    return -(-vocab // step) * step
-
-
 # Devices the sources describe that the catalog has only in another variant; the figures
 # are the source's own, nothing else changes.
 H100_NVL_OVER_SXM = 1671 / 1979
@@ -767,7 +761,7 @@ def amp_trials() -> list:
         status = {"ok": "ok", "failed": "failed"}.get(r.status, r.status)
         out.append(PublishedRow(
             source="AMP GPT-2 trials", ref=ref, model="GPT-2 24x1024", layers=int(r.layers), hidden=int(r.hidden),
-            heads=int(r.heads), seq_len=int(r.seq_len), vocab=megatron_vocab(int(r.vocab), tp),
+            heads=int(r.heads), seq_len=int(r.seq_len), vocab=get_stack("megatron-deepspeed").padded_vocab(int(r.vocab), tp),
             dropout=MEGATRON_DROPOUT, tie_embeddings=True, cluster=amp_cluster(kind),
             cluster_note=("4 x g4dn.12xlarge (4 T4 on PCIe; 50 Gbit/s per node = 1.56 GB/s per GPU)"
                           if kind == "homogeneous" else
@@ -1048,7 +1042,7 @@ def _amp_blocks(stack: Stack, dtype: str) -> list:
         row = PublishedRow(source="AMP layer profile", ref=f"{gpu} tp={tp}", model="GPT-2 24x1024",
                            layers=int(r.layers), hidden=int(r.hidden), heads=int(r.heads), seq_len=int(r.seq_len),
                            # Only the block is timed, and it does not depend on the vocabulary.
-                           vocab=megatron_vocab(int(r.vocab), 1), dropout=MEGATRON_DROPOUT,
+                           vocab=stack.padded_vocab(int(r.vocab)), dropout=MEGATRON_DROPOUT,
                            tie_embeddings=True, cluster=nodes_of(device_name, int(tp), 1.0, gpus_per_node=4),
                            tp=int(tp), pp=1, dp=1, global_batch=1, dtype=dtype, stack=stack_name)
         block = next(l for l in model_for(row, stack).layers if l.kind == "block")
