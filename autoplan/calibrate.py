@@ -3,9 +3,10 @@
 Measured runs come from run records (``autoplan run --out run.json``) or from a CSV with
 one run per row. Each run is estimated with the uncalibrated cost model; then, per
 device type, three parameters are fitted by least squares on log(measured/predicted)
-step time -- a compute scale, a fixed cost per kernel launch and a fixed cost per step
+step time -- a compute scale, a fixed cost per kernel and a fixed cost per step
 (host-side work the roofline does not see: Python, the optimizer's per-tensor loops,
-synchronisation) -- and, where peak memory was measured on a GPU, an activation scale
+synchronisation; on a CPU they add to its compute, on an accelerator the host runs beside
+the device, ``costmodel.host``) -- and, where peak memory was measured on a GPU, an activation scale
 and a constant overhead per rank. Each run is then predicted by a calibration fitted on
 all the *other* runs (leave-one-out), which is the error the calibration reports and
 the interval its estimates carry.
@@ -32,6 +33,7 @@ from autoplan.cluster import Cluster
 from autoplan.errors import ConfigError
 from autoplan.models.spec import ModelSpec
 from autoplan.plan import Plan
+from autoplan.stacks import Stack, get_stack
 from autoplan.units import GiB
 from costmodel.calibration import Calibration, DeviceCalibration
 
@@ -194,69 +196,103 @@ class _Decomposed:
 
     run: MeasuredRun
     device: str
+    asynchronous: bool
+    """The device runs kernels while its host goes on (an accelerator; ``costmodel.host``)."""
+    stack: Stack
     compute: float
-    """Seconds of roofline compute (no launches) on the critical path."""
+    """Seconds of roofline compute on the critical path (on a CPU without its launches)."""
     kernels: float
-    """Kernel launches on the critical path."""
+    """Kernels on the critical path (a CPU) or issued by the busiest host (an accelerator)."""
     other: float
     """Seconds the calibration does not touch (communication, optimizer, bubble ...)."""
+    default_s: float
+    """The uncalibrated estimate."""
     states: float
     dynamic: float
     fixed: float
 
 
 def _decompose(run: MeasuredRun) -> _Decomposed:
-    """Estimate a run three times (no launches; launches only; the default) to separate
-    compute, launches and the rest along its critical path."""
+    """Estimate a run a few times to separate compute, kernels and the rest: with compute
+    doubled, and on a CPU with no launch cost and one of 1 ms (kernels on the critical
+    path); on an accelerator the host's kernels are counted as the estimate counts them."""
     from costmodel import estimate
-    from costmodel.efficiency import default_efficiency
+    from costmodel.estimate import EstimateOptions, host_time
+    from costmodel.host import runs_asynchronously
     devices = {run.cluster.slots[r].device.name for g in run.plan.groups for r in g.ranks}
     device = sorted(devices)[0]
-    zero_launch = Calibration(stack=run.stack, devices={d: DeviceCalibration(1.0, 0.0) for d in devices})
-    unit_launch = Calibration(stack=run.stack, devices={d: DeviceCalibration(1.0, 1e-3) for d in devices})
+    asynchronous = runs_asynchronously(device)
+
+    def calibrated(scale: float, launch: float) -> float:
+        cal = Calibration(stack=run.stack, devices={d: DeviceCalibration(scale, launch) for d in devices})
+        return estimate(run.model, run.cluster, run.plan, stack=run.stack, calibration=cal).iteration_time_s
+
     base = estimate(run.model, run.cluster, run.plan, stack=run.stack)
-    t0 = estimate(run.model, run.cluster, run.plan, stack=run.stack, calibration=zero_launch).iteration_time_s
-    t1 = estimate(run.model, run.cluster, run.plan, stack=run.stack, calibration=unit_launch).iteration_time_s
-    kernels = max(t1 - t0, 0.0) / 1e-3
-    launch = default_efficiency(device).launch_s
-    compute_plus = base.iteration_time_s - kernels * launch     # compute + everything else
-    # Split compute from the rest with a compute-scaled run.
-    doubled = Calibration(stack=run.stack, devices={d: DeviceCalibration(2.0, 0.0) for d in devices})
-    t2 = estimate(run.model, run.cluster, run.plan, stack=run.stack, calibration=doubled).iteration_time_s
-    compute = max(t2 - t0, 0.0)
-    other = max(compute_plus - compute, 0.0)
+    t0 = calibrated(1.0, 0.0)      # CPU: no launches; accelerator: no host
+    compute = max(calibrated(2.0, 0.0) - t0, 0.0)
+    if asynchronous:
+        one = Calibration(stack=run.stack, devices={d: DeviceCalibration(1.0, 1.0) for d in devices})
+        kernels = host_time(run.model, run.cluster, run.plan, EstimateOptions(stack=run.stack, calibration=one))
+    else:
+        kernels = max(calibrated(1.0, 1e-3) - t0, 0.0) / 1e-3
     g = max(base.memory_by_group, key=lambda m: m.allocated)
-    return _Decomposed(run=run, device=device, compute=compute, kernels=kernels, other=other,
-                       states=g.weights + g.gradients + g.optimizer, dynamic=g.activations + g.transient,
-                       fixed=g.buffers)
+    return _Decomposed(run=run, device=device, asynchronous=asynchronous, stack=get_stack(run.stack),
+                       compute=compute, kernels=kernels, other=max(t0 - compute, 0.0),
+                       default_s=base.iteration_time_s, states=g.weights + g.gradients + g.optimizer,
+                       dynamic=g.activations + g.transient, fixed=g.buffers)
 
 
-def _predict_time(d: _Decomposed, scale: float, launch: float, overhead: float) -> float:
-    return scale * (d.compute + d.kernels * launch) + d.other + overhead
+def _predict_time(d: _Decomposed, scale: float, per_kernel: float, per_step: float) -> float:
+    """A run's step time under a compute scale and the costs per kernel and per step: on a
+    CPU they add to its compute; an accelerator's host runs beside its device."""
+    from costmodel.host import with_host
+    if d.asynchronous:
+        return with_host(scale * d.compute + d.other, d.kernels * per_kernel + per_step)
+    return scale * (d.compute + d.kernels * per_kernel) + d.other + per_step
 
 
-def _fit_time(ds: list[_Decomposed]) -> tuple[float, float, float]:
-    """(compute scale, launch seconds, step overhead seconds) minimising squared log error;
-    with fewer than FULL_FIT_RUNS runs the launch cost stays at the device's default."""
+def _fit_time(ds: list[_Decomposed], fit_scale: bool = True) -> tuple[float, float, float]:
+    """(compute scale, seconds per kernel, seconds per step) minimising squared log error;
+    with fewer than FULL_FIT_RUNS runs the cost per kernel stays at its default
+    (``_default_per_kernel``); ``fit_scale=False`` holds the compute scale at 1."""
     from scipy.optimize import least_squares
 
     meas = np.array([d.run.step_time_s for d in ds])
-    default_launch = _default_launch(ds[0].device)
+    default = _default_per_kernel(ds[0])
     full = len(ds) >= FULL_FIT_RUNS
+    names = (["scale"] if fit_scale else []) + ["step_ms"] + (["kernel_us"] if full else [])
 
     def unpack(x):
-        return np.exp(x[0]), (x[2] * 1e-6 if full else default_launch), x[1] * 1e-3
+        v = dict(zip(names, x))
+        return (np.exp(v.get("scale", 0.0)), v["kernel_us"] * 1e-6 if full else default, v["step_ms"] * 1e-3)
 
     def resid(x):
-        scale, launch, overhead = unpack(x)
-        return np.log(np.array([_predict_time(d, scale, launch, overhead) for d in ds]) / meas)
+        scale, per_kernel, per_step = unpack(x)
+        return np.log(np.array([_predict_time(d, scale, per_kernel, per_step) for d in ds]) / meas)
 
-    x0 = [0.0, 1.0] + ([default_launch * 1e6] if full else [])
-    lo = [-5.0, 0.0] + ([0.0] if full else [])
-    hi = [5.0, 1e5] + ([1e5] if full else [])
-    fit = least_squares(resid, x0=x0, bounds=(lo, hi))
-    scale, launch, overhead = unpack(fit.x)
-    return float(scale), float(launch), float(overhead)
+    lo = {"scale": -5.0, "step_ms": 0.0, "kernel_us": 0.0}
+    hi = {"scale": 5.0, "step_ms": 1e5, "kernel_us": 1e5}
+    # Several starts: where a host stays far below its device the error is flat in the
+    # host's costs, so a start there would stay put.
+    starts = [{"scale": 0.0, "step_ms": step, "kernel_us": kernel}
+              for step in (1.0, 10.0, 100.0) for kernel in (max(default * 1e6, 1.0), 10.0, 50.0)]
+    fit = min((least_squares(resid, x0=[x[n] for n in names], bounds=([lo[n] for n in names],
+                                                                       [hi[n] for n in names]))
+               for x in starts), key=lambda f: f.cost)
+    scale, per_kernel, per_step = unpack(fit.x)
+    return float(scale), float(per_kernel), float(per_step)
+
+
+def fit_host(runs: list[MeasuredRun]) -> tuple[float, float, float]:
+    """(seconds per kernel, seconds per step, mean |relative error|) of a stack's host on
+    accelerators, fitted on measured runs with the compute model as it is (scale 1): how a
+    stack's ``host_s_per_kernel`` and ``host_s_per_step`` are fitted."""
+    ds = [_decompose(r) for r in runs if r.ran and r.step_time_s]
+    if len(ds) < FULL_FIT_RUNS or not all(d.asynchronous for d in ds):
+        raise ConfigError("runs", f"{len(ds)} timed accelerator runs; fitting a host needs {FULL_FIT_RUNS}")
+    _, per_kernel, per_step = _fit_time(ds, fit_scale=False)
+    error = float(np.mean([abs(d.run.step_time_s / _predict_time(d, 1.0, per_kernel, per_step) - 1) for d in ds]))
+    return per_kernel, per_step, error
 
 
 def _fit_memory(ds: list[_Decomposed]) -> tuple[float, float]:
@@ -310,7 +346,7 @@ def calibrate(runs: list[MeasuredRun], command: str = "", progress=None) -> tupl
     for i, d in enumerate(ds):
         row = {"run": d.run.name, "plan": d.run.plan.describe(), "ran": d.run.ran,
                "measured_s": d.run.step_time_s, "measured_GiB": (d.run.peak_memory_bytes or 0) / GiB or None,
-               "default_s": _predict_time(d, 1.0, _default_launch(d.device), 0.0)}
+               "default_s": d.default_s}
         others = [o for j, o in enumerate(ds) if j != i and o.device == d.device and o.run.ran and o.run.step_time_s]
         if d.run.step_time_s and len(others) >= MIN_RUNS:
             s, l_, o = _fit_time(others)
@@ -334,6 +370,10 @@ def calibrate(runs: list[MeasuredRun], command: str = "", progress=None) -> tupl
     return cal, rows
 
 
-def _default_launch(device: str) -> float:
+def _default_per_kernel(d: _Decomposed) -> float:
+    """The cost per kernel a calibration keeps when too few runs fit it: the device family's
+    launch cost on a CPU, the stack's host cost on an accelerator."""
+    if d.asynchronous:
+        return d.stack.host_s_per_kernel
     from costmodel.efficiency import default_efficiency
-    return default_efficiency(device).launch_s
+    return default_efficiency(d.device).launch_s

@@ -36,10 +36,12 @@ COLORS = {
     "p2p": "#8172B2",        # pipeline send/recv
     "reduce": "#C44E52",     # data-parallel gradient reduction
     "idle": "#E8E8E8",       # bubble
+    "host": "#B0B0B0",       # the step waiting on its host
 }
 LABELS = {"F": "forward", "B": "backward", "I": "backward (input grad)", "W": "backward (weight grad)",
           "optimizer": "optimizer step", "p2p": "pipeline send", "reduce": "data-parallel grad reduce",
-          "idle": "idle (bubble)", "tp": "tensor-parallel comm (inside F/B)"}
+          "idle": "idle (bubble)", "tp": "tensor-parallel comm (inside F/B)",
+          "host": "waiting on the host (spread over the step)"}
 MEMORY_PARTS = ("weights", "gradients", "optimizer", "activations", "transient", "overhead")
 MEMORY_COLORS = dict(zip(MEMORY_PARTS, ("#4C72B0", "#55A868", "#DD8452", "#C44E52", "#8172B2", "#B0B0B0")))
 
@@ -59,7 +61,10 @@ class TimelineData:
     idle: dict[int, list[tuple[float, float]]] = field(default_factory=dict)
     """rank -> gaps before the rank's last compute action (pipeline bubbles)."""
     end: float = 0.0
-    """Iteration time."""
+    """End of the device's work (the iteration time, less any wait on the host)."""
+    host_wait: float = 0.0
+    """What the step adds waiting on a host slower than its device (``costmodel.host``);
+    drawn after ``end``, though the waits fall throughout the step."""
 
     def idle_time(self, rank: int) -> float:
         return sum(b - a for a, b in self.idle.get(rank, []))
@@ -70,7 +75,8 @@ def timeline_data(estimate: "Estimate") -> TimelineData:
     plan = estimate.plan
     costs = estimate.stage_costs
     stage_rank = [s.group for s in plan.stages]
-    data = TimelineData(ranks=plan.pp, end=estimate.iteration_time_s)
+    host = estimate.breakdown.get("host", 0.0)
+    data = TimelineData(ranks=plan.pp, end=estimate.iteration_time_s - host, host_wait=host)
     for g in range(plan.pp):
         data.compute[g], data.tp_comm[g], data.comm[g], data.idle[g] = [], [], [], []
     finish: dict[tuple[str, int, int], float] = {}
@@ -148,6 +154,9 @@ def _draw_timeline(ax, estimate: "Estimate", title: str | None, scale: float, un
             spans = [(a * scale, (b - a) * scale) for k, a, b in data.comm[g] if k == kind]
             if spans:
                 ax.broken_barh(spans, (y + 0.05, 0.25), facecolors=COLORS[kind], edgecolor="none", zorder=2)
+        if data.host_wait > 0.005 * data.end:
+            ax.broken_barh([(data.end * scale, data.host_wait * scale)], (y + 0.35, 0.6),
+                           facecolors=COLORS["host"], edgecolor="none", hatch="//", zorder=1)
         if label_mb:
             for k, s, m, a, b in data.compute[g]:
                 # Only where the number fits inside the bar.
@@ -157,7 +166,7 @@ def _draw_timeline(ax, estimate: "Estimate", title: str | None, scale: float, un
     ax.set_yticks([plan.pp - 1 - g + 0.5 for g in range(plan.pp)])
     ax.set_yticklabels([f"pp {g}" for g in range(plan.pp)])
     ax.set_ylim(0, plan.pp)
-    ax.set_xlim(0, data.end * scale * 1.01)
+    ax.set_xlim(0, (data.end + data.host_wait) * scale * 1.01)
     ax.set_xlabel(f"time ({unit})")
     bubble = sum(data.idle_time(g) for g in range(plan.pp)) / max(plan.pp, 1)
     head = f"{title}\n" if title else ""
@@ -170,6 +179,8 @@ def _draw_timeline(ax, estimate: "Estimate", title: str | None, scale: float, un
         handles.append(Patch(facecolor="black", alpha=0.3, label=LABELS["tp"]))
     if any(data.idle.values()):
         handles.append(Patch(facecolor=COLORS["idle"], hatch="..", label=LABELS["idle"]))
+    if data.host_wait > 0.005 * data.end:
+        handles.append(Patch(facecolor=COLORS["host"], hatch="//", label=LABELS["host"]))
     ax.legend(handles=handles, fontsize=6, loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False)
     return data
 

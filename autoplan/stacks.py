@@ -177,6 +177,14 @@ class Stack:
     dispatch, launch): a layer's forward that the GPU would finish sooner waits on the host.
     The backward runs in the autograd engine's C++ loop and is not held to it. 0: the host
     keeps ahead of the GPU."""
+    host_s_per_kernel: float = 0.0
+    """Host time to issue one forward or backward kernel from the stack's code (Python,
+    dispatch, autograd, launch) on an accelerator, which runs kernels while its host goes
+    on: a step takes about the longer of its device work and its host work
+    (``costmodel.host``). 0: the host keeps ahead of the device."""
+    host_s_per_step: float = 0.0
+    """Host time per step besides the forward and backward kernels (the optimizer's
+    per-tensor loops, gradient clipping, zeroing), on an accelerator."""
     overlap_grad_reduce: bool = True
     """Data-parallel gradient reduction overlaps the backward (bucketed)."""
     overlap_param_gather: bool = True
@@ -354,10 +362,11 @@ _STR_CHOICES = {"attention": ATTENTION_KERNELS, "sharded_grad_collective": GRAD_
                 "traffic_where": TRAFFIC_WHERE}
 """Text fields and the values they accept."""
 _FILE_KEYS = {"cuda_context_bytes": "cuda_context_GiB", "nccl_bytes_per_group": "nccl_MiB_per_group",
-              "dp_buffer_bytes": "dp_buffer_MiB", "forward_host_s_per_kernel": "forward_host_us_per_kernel"}
+              "dp_buffer_bytes": "dp_buffer_MiB", "forward_host_s_per_kernel": "forward_host_us_per_kernel",
+              "host_s_per_kernel": "host_us_per_kernel", "host_s_per_step": "host_ms_per_step"}
 """Fields whose file key carries a unit other than bytes."""
 _FILE_UNITS = {"cuda_context_bytes": GiB, "nccl_bytes_per_group": MiB, "dp_buffer_bytes": MiB,
-               "forward_host_s_per_kernel": 1e-6}
+               "forward_host_s_per_kernel": 1e-6, "host_s_per_kernel": 1e-6, "host_s_per_step": 1e-3}
 
 
 def stack_names() -> list[str]:

@@ -17,8 +17,11 @@ from pathlib import Path
 from autoplan.errors import ConfigError
 from autoplan.fields import FieldReader, load_json
 from autoplan.units import GiB
+from costmodel.host import runs_asynchronously
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+"""2: an accelerator's costs per kernel and per step are its host's, beside the device
+(``costmodel.host``); version 1 added them to the device's time."""
 KIND = "autoplan-calibration"
 
 
@@ -29,10 +32,13 @@ class DeviceCalibration:
     compute_scale: float = 1.0
     """Measured over modelled compute time of the roofline (kernels' FLOPs and bytes)."""
     launch_s: float | None = None
-    """Fixed cost per kernel in seconds (None: the device family's default)."""
+    """Fixed cost per kernel in seconds: on a CPU part of its compute, on an accelerator
+    the host's, beside the device (``costmodel.host``). None: the device family's launch
+    cost (CPU) or the stack's host cost (accelerator)."""
     step_overhead_s: float = 0.0
     """Fixed host-side seconds per training step the roofline does not see (Python, the
-    optimizer's per-tensor loops, synchronisation)."""
+    optimizer's per-tensor loops, synchronisation); as ``launch_s``, beside an
+    accelerator's work."""
 
 
 @dataclass(frozen=True)
@@ -97,7 +103,8 @@ class Calibration:
         if r.str("kind", KIND) != KIND:
             raise ConfigError(r.path("kind"), f"is {r.str('kind')!r}, not a calibration ({KIND!r})",
                               "make one with `autoplan calibrate`")
-        if r.int("schema_version", SCHEMA_VERSION) > SCHEMA_VERSION:
+        version = r.int("schema_version", SCHEMA_VERSION)
+        if version > SCHEMA_VERSION:
             raise ConfigError(r.path("schema_version"), "is newer than this autoplan understands", "upgrade autoplan")
         devices = {}
         dev_r = r.sub("devices")
@@ -105,6 +112,10 @@ class Calibration:
             raise ConfigError(r.path("devices"), "must name at least one device")
         for name in dev_r.data:
             d = dev_r.sub(name)
+            if version < 2 and runs_asynchronously(str(name)):
+                raise ConfigError(r.path("schema_version"), f"is {version}: its {name} costs per kernel and "
+                                  "per step were fitted as added to the device's time, now the host's beside it",
+                                  "recalibrate with `autoplan calibrate`")
             d.reject_unknown(("compute_scale", "launch_us", "step_overhead_ms"))
             launch = d.float("launch_us", None, minimum=0.0)
             scale = d.float("compute_scale", 1.0, positive=True)

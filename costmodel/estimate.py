@@ -19,6 +19,7 @@ from costmodel.comm import collective_time, p2p_time
 from costmodel.compute import ProfileSource, layer_timing
 from costmodel.context import context_shard, stage_exchange
 from costmodel.efficiency import achieved_memory_bandwidth, default_efficiency
+from costmodel.host import host_costs, layer_host_kernels, runs_asynchronously, with_host
 from costmodel.memory import (DEFAULT_MEMORY_MARGIN, GroupMemory, activation_bytes, group_memory,
                               model_state_bytes, optimizer_step_bytes, transient_bytes)
 from costmodel.redistribute import layout_comm
@@ -97,7 +98,9 @@ class Estimate:
     """Every rank's peak is within its device's memory."""
     breakdown: dict[str, float]
     """Seconds on the critical rank: compute, tp_communication, ep_communication (expert
-    dispatch and combine), bubble, dp_communication, optimizer."""
+    dispatch and combine), bubble, dp_communication, optimizer; and 'host' where the step
+    waits on a host slower than its device (``costmodel.host``). They add up to the
+    iteration time."""
     bubble_fraction: float
     timeline: list[Event] = field(repr=False, default_factory=list)
     sources: dict[str, str] = field(default_factory=dict)
@@ -180,12 +183,13 @@ def _worst(cluster: Cluster, groups, nbytes: float, kind: str) -> float:
 
 def device_timing_inputs(device, options: EstimateOptions):
     """(efficiency override, compute scale, source label) of a device under the options'
-    calibration; (None, 1.0, None) without one."""
+    calibration; (None, 1.0, None) without one. A calibrated cost per kernel is the
+    device's own on a CPU; on an accelerator it is the host's (``costmodel.host``)."""
     cal = options.calibration.device(device.name) if options.calibration is not None else None
     if cal is None:
         return None, 1.0, None
     eff = default_efficiency(device.name)
-    if cal.launch_s is not None:
+    if cal.launch_s is not None and not runs_asynchronously(device.name):
         eff = replace(eff, launch_s=cal.launch_s)
     return eff, cal.compute_scale, "calibrated"
 
@@ -360,8 +364,9 @@ def stage_costs(model: ModelSpec, cluster: Cluster, plan: Plan, options: Estimat
 
 def _optimizer_time(model: ModelSpec, cluster: Cluster, plan: Plan, g: int, stack: Stack,
                     calibration: Calibration | None = None) -> tuple[float, float]:
-    """(Adam step, plus a calibration's host overhead per step; exposed post-step parameter
-    all-gather) for one pipeline group."""
+    """(Adam step, plus a CPU calibration's overhead per step; exposed post-step parameter
+    all-gather) for one pipeline group. (An accelerator's host overhead runs beside its
+    device: ``host_time``.)"""
     group = plan.groups[g]
     layers = [l for s in plan.stages if s.group == g for l in model.layers[s.start:s.end]]
     params, sharded = experts.state_params(layers, group.tp, plan.ep)
@@ -370,12 +375,29 @@ def _optimizer_time(model: ModelSpec, cluster: Cluster, plan: Plan, g: int, stac
                for d in _group_devices(cluster, group.ranks))
     if calibration is not None:
         step += max((c.step_overhead_s for d in _group_devices(cluster, group.ranks)
-                     if (c := calibration.device(d.name)) is not None), default=0.0)
+                     if (c := calibration.device(d.name)) is not None and not runs_asynchronously(d.name)),
+                    default=0.0)
     gather = 0.0
     if plan.zero in (1, 2) and group.dp * group.cp > 1 and not stack.overlap_param_gather:
         # Overlapped, the gather of updated parameters runs under the next forward.
         gather = _worst(cluster, group.dp_cp_groups(), params * DTYPE_BYTES[plan.dtype], "all_gather")
     return step, gather
+
+
+def host_time(model: ModelSpec, cluster: Cluster, plan: Plan, options: EstimateOptions) -> float:
+    """Seconds the busiest host spends on a step (``costmodel.host``): each rank issues its
+    stages' kernels for every micro-batch of its replica; a group of mixed device types
+    waits on its slowest host."""
+    stack, worst = options.stack, 0.0
+    for g, group in enumerate(plan.groups):
+        costs = [host_costs(d.name, stack, options.calibration) for d in _group_devices(cluster, group.ranks)]
+        if not any(c.per_kernel_s or c.per_step_s for c in costs):
+            continue
+        kernels = plan.num_micro_batches * sum(
+            layer_host_kernels(l, plan.stages[s].recompute, stack)
+            for s in plan.stages_of_group(g) for l in model.layers[plan.stages[s].start:plan.stages[s].end])
+        worst = max(worst, max(c.time(kernels) for c in costs))
+    return worst
 
 
 def _transient(model: ModelSpec, cluster: Cluster, plan: Plan, s: int, stack: Stack, load: float = 1.0) -> float:
@@ -452,7 +474,9 @@ def estimate(model: ModelSpec, cluster: Cluster, plan: Plan, options: EstimateOp
     tight = fits and any(memory_by_rank[r] > device_mem[r] * (1 - options.memory_margin) for r in memory_by_rank)
 
     # Throughput.
-    T = sim.iteration_time
+    device_T = sim.iteration_time
+    host_s = host_time(model, cluster, plan, options)
+    T = with_host(device_T, host_s)
     samples = plan.global_batch
     tokens = samples * (model.tokens_per_sample or model.seq_len)
     model_flops = samples * model.flops_per_sample()
@@ -482,6 +506,7 @@ def estimate(model: ModelSpec, cluster: Cluster, plan: Plan, options: EstimateOp
         "bubble": bubble,
         "dp_communication": max(0.0, sim.comm_end[g] - sim.compute_end[g]),
         "optimizer": sim.rank_end[g] - max(sim.compute_end[g], sim.comm_end[g]),
+        **({"host": T - device_T} if T > device_T else {}),
     }
     time_band, memory_band = error_bands(stack.name)
     if options.calibration is not None:
@@ -496,6 +521,9 @@ def estimate(model: ModelSpec, cluster: Cluster, plan: Plan, options: EstimateOp
         inputs[dev] = {"measured": "measured layer profile", "calibrated": "roofline, calibrated",
                        "roofline": "roofline, default efficiencies", "mixed": "measured profile and roofline"}[src]
     inputs["memory"] = f"stack {stack.name}" + (", calibrated" if options.calibration else " defaults")
+    if host_s > 0:
+        inputs["host"] = (f"{host_s:.3g} s of host work per step, "
+                          + ("calibrated" if options.calibration else f"stack {stack.name} defaults"))
     inputs["interval"] = time_band.source or "none"
     return Estimate(
         plan=plan, iteration_time_s=T, tokens_per_s=tokens / T, samples_per_s=samples / T,

@@ -37,13 +37,13 @@ from autoplan.units import GiB
 from costmodel import estimate as full_estimate
 from search.bounds import Bounds
 from search.evaluate import (Analysis, Candidate, Setting, Skeleton, analyze, busy_bound, fits_memory,
-                             program_actions, simulated, stage_figures, work_floor)
+                             program_actions, simulated, split_host_time, stage_figures, work_floor)
 from search.inflight import inflight
 from search.placement import PlacementStats, allocate, pool_kinds, sizings
 from search.progress import Progress
 from search.result import RankedPlan, SearchResult, SearchStats
 from search.space import Constraints, divisors
-from search.split import INF, Split, Splitter
+from search.split import INF, HostAwareSplitter, Split, Splitter
 from search.tables import RECOMPUTES, Kind, Tables
 
 
@@ -107,7 +107,6 @@ def _fewer_collections():
 def model_violation(model: ModelSpec, engine) -> ConfigError | None:
     """Why ``engine`` cannot train ``model`` at all (whatever the plan), or None."""
     from autoplan.engines import violation
-    from autoplan.plan import Stage
     one = Plan(groups=(DeviceGroup(ranks=(0,), tp=1),), stages=(Stage(0, model.num_layers, 0),),
                micro_batch=1, num_micro_batches=1, dtype=model.dtype, model=model.name, seq_len=model.seq_len)
     err = violation(one, engine, model)
@@ -186,6 +185,9 @@ class _Search:
         self.options = c.estimate_options()
         self.tables = Tables(model, cluster, self.dtype, self.options)
         self.splitter = Splitter(self.tables)
+        self.host_splitter = HostAwareSplitter(self.tables) if any(
+            self.tables.host_costs(k).per_kernel_s for k in range(len(cluster.groups))) else None
+        """Splits balanced for the hosts too, tried where a step waits on its hosts."""
         self.stats = SearchStats()
         self.progress = Progress(c.progress)
         self.L = model.num_layers
@@ -1118,6 +1120,14 @@ class _Search:
                     best = (split, analysis)
             if best is not None or st.virtual_stages == 1:
                 break
+        if best is not None and self.host_splitter is not None and sk.pp > 1:
+            # A step that waits on its hosts is as slow as the group issuing the most
+            # kernels: the split balanced for that too competes (costmodel.host).
+            if split_host_time(self.tables, sk, st, best[0].bounds, best[0].recompute) >= 0.5 * best[1].time_s:
+                split = self.host_splitter.split(sk, st, modes)
+                analysis = timed(split) if split is not None else None
+                if analysis is not None and analysis.fits and analysis.time_s < best[1].time_s:
+                    best = (split, analysis)
         if best is None and st.virtual_stages > 1:
             # Chunks share one memory and the DPs' per-chunk budgets are conservative: the
             # leanest split (balanced for memory instead of time) may still fit exactly.

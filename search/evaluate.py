@@ -20,6 +20,7 @@ import numpy as np
 
 from autoplan.models.spec import ModelSpec
 from autoplan.plan import DeviceGroup, Plan, Stage
+from costmodel.host import with_host
 from search.inflight import inflight
 from search.tables import RECOMPUTES, Kind, Tables
 
@@ -137,6 +138,8 @@ class StageFigures:
     transient: float
     max_params: float
     units: int
+    kernels: float = 0.0
+    """Kernels the host issues per micro-batch (``costmodel.host``)."""
     zero_params: float = 0.0
     """Parameters ZeRO divides by dp (the held ones, with experts counted whole)."""
 
@@ -245,7 +248,8 @@ class _GroupFigures:
         return StageFigures(
             forward=fwd, backward_input=bi, backward_weight=bw, send_forward=send_f, send_backward=send_b,
             grad_reduce=reduce, params=params, cast_params=mem.cast_params, activation=mem.activation,
-            transient=mem.transient, max_params=mem.max_params, units=b - a, zero_params=mem.zero_params)
+            transient=mem.transient, max_params=mem.max_params, units=b - a, zero_params=mem.zero_params,
+            kernels=t["cum_kernels"][q][b] - t["cum_kernels"][q][a])
 
 
 class _StageMemory(NamedTuple):
@@ -440,6 +444,32 @@ def simulated_time(tables: Tables, sk: Skeleton, st: Setting, figs: Sequence[Sta
                     blocking_p2p=opts.blocking_p2p, timeline=False).iteration_time
 
 
+def host_time(tables: Tables, sk: Skeleton, st: Setting, figs: Sequence[StageFigures]) -> float:
+    """Seconds the busiest host spends on a step, as ``costmodel.estimate.host_time``
+    counts them: each group's stages' kernels for every micro-batch, at its pool's costs."""
+    return _host_time(tables, sk, st, [f.kernels for f in figs])
+
+
+def split_host_time(tables: Tables, sk: Skeleton, st: Setting, bounds: Sequence[tuple[int, int]],
+                    recompute: Sequence[str]) -> float:
+    """:func:`host_time` of a split, from the tables alone (no stage figures needed)."""
+    kernels = []
+    for j, ((a, b), mode) in enumerate(zip(bounds, recompute)):
+        cum = tables.table(sk.kinds[j % sk.pp], st.micro_batch, st.sequence_parallel).scalars["cum_kernels"]
+        q = RECOMPUTES.index(mode)
+        kernels.append(cum[q][b] - cum[q][a])
+    return _host_time(tables, sk, st, kernels)
+
+
+def _host_time(tables: Tables, sk: Skeleton, st: Setting, kernels: Sequence[float]) -> float:
+    P, worst = sk.pp, 0.0
+    for g in range(P):
+        costs = tables.host_costs(sk.kinds[g].pool)
+        if costs.per_kernel_s or costs.per_step_s:
+            worst = max(worst, costs.time(st.num_micro_batches * sum(kernels[g::P])))
+    return worst
+
+
 def busy_bound(tables: Tables, sk: Skeleton, st: Setting, figs: Sequence[StageFigures]) -> float:
     """A lower bound on the simulated iteration time: every rank runs its micro-batches'
     forward and backward passes (and, with blocking sends, its sends) one after another,
@@ -469,11 +499,13 @@ def analyze(tables: Tables, sk: Skeleton, st: Setting, bounds, recompute, figs=N
     if fitting_only and not fits:
         time_s = float("inf")
     elif simulated(st, sk.pp):
-        time_s = simulated_time(tables, sk, st, figs)
+        time_s = with_host(simulated_time(tables, sk, st, figs), host_time(tables, sk, st, figs))
     else:
-        time_s = pipeline_time(sk, st, figs, tables, opts.blocking_p2p, opts.overlap_grad_reduce)
+        time_s = with_host(pipeline_time(sk, st, figs, tables, opts.blocking_p2p, opts.overlap_grad_reduce),
+                           host_time(tables, sk, st, figs))
     return Analysis(time_s=time_s, memory=tuple(mem), fits=fits), figs
 
 
 __all__ = ["Skeleton", "Setting", "Candidate", "Analysis", "StageFigures", "stage_figures",
-           "group_memory", "fits_memory", "work_floor", "pipeline_time", "busy_bound", "analyze", "replace"]
+           "group_memory", "fits_memory", "work_floor", "pipeline_time", "busy_bound", "host_time", "split_host_time", "analyze",
+           "replace"]

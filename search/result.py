@@ -18,6 +18,7 @@ BREAKDOWN_WORDS = {
     "bubble": "pipeline bubble (idle time waiting on other stages)",
     "dp_communication": "exposed data-parallel gradient communication",
     "optimizer": "optimizer step and ZeRO parameter gathers",
+    "host": "waiting on the host (it issues kernels slower than the device runs them)",
 }
 
 
@@ -210,14 +211,15 @@ class SearchResult:
                      f"{gap / best.estimate.iteration_time_s:.1%} slower)")
         d, k = diffs[0]
         if d > 0:
-            lines.append(f"the biggest difference is {BREAKDOWN_WORDS.get(k, k)}: {b2[k]:.4g} s for the runner-up "
-                         f"against {b1[k]:.4g} s for the best ({d:.3g} s more)")
+            lines.append(f"the biggest difference is {BREAKDOWN_WORDS.get(k, k)}: {b2.get(k, 0.0):.4g} s for the "
+                         f"runner-up against {b1.get(k, 0.0):.4g} s for the best ({d:.3g} s more)")
         against = [f"{BREAKDOWN_WORDS.get(k, k).split(' (')[0]} {-d:.3g} s" for d, k in diffs if d < 0]
         if against:
             lines.append("the runner-up is ahead on " + ", ".join(against) + ", which does not make up for it")
-        lines.append("breakdown (s)      " + "  ".join(f"{k:>16}" for k in b1))
-        lines.append("  best             " + "  ".join(f"{b1[k]:>16.4g}" for k in b1))
-        lines.append("  runner-up        " + "  ".join(f"{b2.get(k, 0.0):>16.4g}" for k in b1))
+        keys = list(b1) + [k for k in b2 if k not in b1]
+        lines.append("breakdown (s)      " + "  ".join(f"{k:>16}" for k in keys))
+        lines.append("  best             " + "  ".join(f"{b1.get(k, 0.0):>16.4g}" for k in keys))
+        lines.append("  runner-up        " + "  ".join(f"{b2.get(k, 0.0):>16.4g}" for k in keys))
         return "\n".join(lines)
 
 

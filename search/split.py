@@ -794,3 +794,32 @@ def _minsum(costs: np.ndarray, which: list[int], start: np.ndarray, valid: np.nd
         e -= d
     picks.reverse()
     return float(best[L]), picks
+
+
+TIE_BREAK = 1e-3
+"""Weight of a stage's device time in the host-balancing split's cost (ties only)."""
+
+
+class HostAwareSplitter(Splitter):
+    """A splitter that balances what the hosts issue: a stage costs its kernels per
+    micro-batch at the host's cost per kernel (``costmodel.host``), its device time only
+    breaking ties. Where a step waits on its hosts (small models) the step's host time
+    grows with the most kernels any group issues, which the device-balanced split does not
+    weigh; this one's splits are offered beside it and the exact analysis decides. Its
+    matrices never feed a bound."""
+
+    def __init__(self, tables: Tables):
+        super().__init__(tables)
+        self._host: dict = {}
+
+    def _time_mats(self, sk: Skeleton, g: int, st: Setting) -> np.ndarray:
+        cost = super()._time_mats(sk, g, st)
+        per_kernel = self.tables.host_costs(sk.kinds[g].pool).per_kernel_s
+        if not per_kernel:
+            return cost
+        hit = self._host.get(id(cost))
+        if hit is None or hit[0] is not cost:
+            ck = self.tables.table(sk.kinds[g], st.micro_batch, st.sequence_parallel, (sk, st, g)).cum_kernels
+            kernels = ck[:, None, :] - ck[:, :, None]
+            hit = self._host[id(cost)] = (cost, per_kernel * kernels + TIE_BREAK * cost)
+        return hit[1]

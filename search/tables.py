@@ -26,6 +26,7 @@ from costmodel.compute import layer_timing
 from costmodel.context import context_shard, stage_exchange
 from costmodel.efficiency import achieved_memory_bandwidth
 from costmodel.estimate import EstimateOptions, device_timing_inputs
+from costmodel.host import HostCosts, host_costs, layer_host_kernels, runs_asynchronously
 from costmodel.memory import activation_bytes, transient_bytes
 from costmodel.redistribute import layout_comm
 
@@ -92,6 +93,9 @@ class LayerTable:
     """Peak temporary bytes during the unit's backward, by recompute mode: shape (3, units)."""
     output_bytes: np.ndarray
     """Bytes of each unit's output for one micro-batch (what a pipeline send carries)."""
+    kernels: np.ndarray
+    """Kernels the host issues for one micro-batch of the unit, by recompute mode: shape
+    (3, units) (``costmodel.host.layer_host_kernels``)."""
     cum_forward: np.ndarray
     cum_tp_forward: np.ndarray
     cum_backward_input: np.ndarray
@@ -101,6 +105,7 @@ class LayerTable:
     cum_expert_params: np.ndarray
     cum_cast_params: np.ndarray
     cum_activation: np.ndarray
+    cum_kernels: np.ndarray
     max_params: np.ndarray
     """max_params[s, e]: largest unit (in parameters) of the run [s, e) (ZeRO-3 working set)."""
     max_transient: np.ndarray
@@ -119,7 +124,7 @@ class LayerTable:
         return {name: getattr(self, name).tolist() for name in (
             "cum_forward", "cum_backward_input", "cum_backward_weight", "cum_params", "cum_cast_params",
             "cum_activation", "output_bytes", "max_params", "max_transient", "cum_expert_params",
-            "cum_zero_params")}
+            "cum_zero_params", "cum_kernels")}
 
 
 def _range_max(x: np.ndarray) -> np.ndarray:
@@ -171,6 +176,7 @@ class Tables:
         self._opt_rate: dict = {}
         self._zero3_rates: dict = {}
         self._traffic: dict = {}
+        self._host_costs: dict = {}
 
     # --------------------------------------------------------------- layers
     def table(self, kind: Kind, micro_batch: int, sequence_parallel: bool, exact_for=None) -> LayerTable:
@@ -217,6 +223,7 @@ class Tables:
         bi = np.zeros((3, n))
         act = np.zeros((3, n))
         trans = np.zeros((3, n))
+        kern = np.zeros((3, n))
         sources = set()
         memo: dict = {}
         for i, layer in enumerate(model.layers):
@@ -266,13 +273,15 @@ class Tables:
                                 + buffers for m in RECOMPUTES)
                 src = label if label and t.source == "roofline" else t.source
                 held, whole = experts.state_params([layer], tp, ep)
+                kern_q = tuple(layer_host_kernels(layer, m, stack) for m in RECOMPUTES)
                 row = (f + tp_comm + cp_f + ep_comm, tp_comm, bi_q, bww, held,
                        held if layer.kind != "embedding" else 0.0,
-                       b * layer.output_bytes, act_q, trans_q, src, whole, experts.expert_params([layer], tp) / ep)
+                       b * layer.output_bytes, act_q, trans_q, src, whole, experts.expert_params([layer], tp) / ep,
+                       kern_q)
                 memo[memo_key] = row
             (fwd[i], tpf[i], bi_q, bw[i], params[i], cast[i], out[i], act_q, trans_q, src, zparams[i],
-             eparams[i]) = row
-            bi[:, i], act[:, i], trans[:, i] = bi_q, act_q, trans_q
+             eparams[i], kern_q) = row
+            bi[:, i], act[:, i], trans[:, i], kern[:, i] = bi_q, act_q, trans_q, kern_q
             sources.add(src)
 
         def cum(x):
@@ -284,7 +293,8 @@ class Tables:
                           cast_params=cast, activation=act,
                           transient=trans, output_bytes=out, cum_forward=cum(fwd), cum_tp_forward=cum(tpf),
                           cum_backward_input=cum(bi), cum_backward_weight=cum(bw), cum_params=cum(params),
-                          cum_cast_params=cum(cast), cum_activation=cum(act), max_params=_range_max(params),
+                          cum_cast_params=cum(cast), cum_activation=cum(act), kernels=kern, cum_kernels=cum(kern),
+                          max_params=_range_max(params),
                           max_transient=np.stack([_range_max(trans[q]) for q in range(3)]),
                           sources=frozenset(sources))
 
@@ -491,10 +501,20 @@ class Tables:
         return hit
 
     def step_overhead(self, pool: int) -> float:
-        """A calibration's fixed host seconds per step on a device of this pool."""
+        """A CPU calibration's fixed seconds per step on a device of this pool (an
+        accelerator's host overhead runs beside it: ``host_costs``)."""
         cal = self.options.calibration
-        dev = cal.device(self.cluster.groups[pool].device.name) if cal is not None else None
+        name = self.cluster.groups[pool].device.name
+        dev = cal.device(name) if cal is not None and not runs_asynchronously(name) else None
         return dev.step_overhead_s if dev is not None else 0.0
+
+    def host_costs(self, pool: int) -> HostCosts:
+        """The host's costs per step on a device of this pool (``costmodel.host``)."""
+        hit = self._host_costs.get(pool)
+        if hit is None:
+            hit = self._host_costs[pool] = host_costs(self.cluster.groups[pool].device.name, self.stack,
+                                                      self.options.calibration)
+        return hit
 
     def memory_total(self, states, activations, transient, step=0.0, fixed=0.0):
         """Per-GPU bytes the cost model reports for these components

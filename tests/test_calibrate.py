@@ -109,7 +109,10 @@ def test_bad_calibration_file_names_the_field(tmp_path, edit, field):
 def test_calibration_round_trips(tmp_path):
     cal, _ = calibrate(_synthetic_runs(TRUTH, PLANS))
     cal.save(tmp_path / "c.json")
-    assert Calibration.load(tmp_path / "c.json").devices == cal.devices
+    loaded = Calibration.load(tmp_path / "c.json").devices
+    assert loaded.keys() == cal.devices.keys()
+    for name, dev in cal.devices.items():   # (the file keeps microseconds and milliseconds)
+        assert dataclasses.astuple(loaded[name]) == pytest.approx(dataclasses.astuple(dev), rel=1e-12)
 
 
 # ------------------------------------------------------------------- inputs
@@ -239,3 +242,50 @@ def test_calibration_from_real_cpu_runs_predicts_held_out_plans():
     for r in held:
         predicted = autoplan.estimate(r.model, r.cluster, r.plan, calibration=cal).iteration_time_s
         assert r.step_time_s == pytest.approx(predicted, rel=0.25), f"{r.name}: measured {r.step_time_s:.4f} s"
+
+
+# -------------------------------------------------------------- accelerators
+H100 = autoplan.Cluster.homogeneous("H100", 1, 1)
+GPT2 = autoplan.models.get("gpt2-small", seq_len=1024)
+GPU_PLANS = {f"mb{mb}-{rec}": dict(micro_batch=mb, global_batch=2 * mb, recompute=rec)
+             for mb in (1, 4, 16, 64) for rec in ("none", "full")}
+GPU_TRUTH = Calibration(stack="autoplan", devices={"H100-SXM5-80GB": DeviceCalibration(
+    compute_scale=1.2, launch_s=30e-6, step_overhead_s=0.05)})
+
+
+def _gpu_runs(cal: Calibration) -> list[MeasuredRun]:
+    out = []
+    for name, kw in GPU_PLANS.items():
+        plan = autoplan.Plan.uniform(GPT2, H100, tp=1, pp=1, dp=1, **kw)
+        t = autoplan.estimate(GPT2, H100, plan, calibration=cal).iteration_time_s
+        out.append(MeasuredRun(name=name, model=GPT2, cluster=H100, plan=plan, stack="autoplan", ran=True,
+                               step_time_s=t, peak_memory_bytes=None))
+    return out
+
+
+def test_accelerator_fit_recovers_a_host_beside_the_device():
+    """Small steps wait on the host, large ones on the device: the fit separates the two."""
+    runs = _gpu_runs(GPU_TRUTH)
+    cal, rows = calibrate(runs)
+    (dev,) = cal.devices.values()
+    assert dev.compute_scale == pytest.approx(1.2, rel=0.02)
+    assert dev.launch_s == pytest.approx(30e-6, rel=0.05) and dev.step_overhead_s == pytest.approx(0.05, rel=0.05)
+    assert cal.loo_time_mape < 0.01
+    waits = {r.name: autoplan.estimate(GPT2, H100, r.plan, calibration=cal).breakdown.get("host", 0.0) / r.step_time_s
+             for r in runs}
+    assert waits["mb1-none"] > 0.3 and waits["mb64-none"] < 0.01   # (both kinds of step are in the fit)
+
+
+@pytest.mark.parametrize("device,refused", [("CPU", False), ("H100-SXM5-80GB", True)],
+                         ids=["cpu-keeps-its-meaning", "accelerator-must-recalibrate"])
+def test_version_1_files_on_accelerators_are_refused(tmp_path, device, refused):
+    """Version 1 added an accelerator's per-kernel and per-step costs to its device time;
+    read as a host beside the device they would be wrong without a word."""
+    data = dataclasses.replace(TRUTH, devices={device: DeviceCalibration(1.0, 1e-5, 0.01)}).to_dict()
+    path = tmp_path / "v1.json"
+    path.write_text(json.dumps(data | {"schema_version": 1}))
+    if refused:
+        with pytest.raises(ConfigError, match="schema_version.*recalibrate"):
+            Calibration.load(path)
+    else:
+        assert Calibration.load(path).devices[device].launch_s == pytest.approx(1e-5)

@@ -24,6 +24,7 @@ def run(args) -> int:
     from autoplan.calibrate import calibrate, runs_from_csv, runs_from_records
     from autoplan.commands._common import table
     from autoplan.errors import ConfigError
+    from costmodel.host import runs_asynchronously
 
     out = Path(args.out)
     if out.exists() and not args.force:
@@ -53,8 +54,9 @@ def run(args) -> int:
     print(table(body, ["run", "plan", "", "measured s", "default s", "held-out s", "measured GiB", "held-out GiB"]))
     print()
     for name, d in cal.devices.items():
-        print(f"{name}: compute x{d.compute_scale:.3g}, {d.launch_s * 1e6:.3g} us per kernel, "
-              f"{d.step_overhead_s * 1e3:.3g} ms per step")
+        where = "host, beside the device" if runs_asynchronously(name) else "added to compute"
+        print(f"{name}: compute x{d.compute_scale:.3g}, {d.launch_s * 1e6:.3g} us per kernel and "
+              f"{d.step_overhead_s * 1e3:.3g} ms per step ({where})")
     if cal.loo_memory_mape is not None:
         print(f"memory: activations x{cal.activation_scale:.3g}, {cal.memory_overhead_bytes / 2**30:+.2f} GiB per rank")
     print(f"leave-one-out step-time error: mean {cal.loo_time_mape:.1%}, 80% of runs within "

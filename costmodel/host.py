@@ -1,0 +1,93 @@
+"""The host's share of a training step.
+
+An accelerator runs kernels asynchronously: the host (Python model code, the framework's
+dispatcher, autograd, the launch itself) queues them and moves on. A step whose host
+issues kernels faster than the device runs them takes the device's time; one whose host
+is slower (small layers, many kernels) takes the host's, the device idling between
+kernels. Within a step the two alternate (a layer's forward may wait on the host, its
+backward not), so the step takes a smoothed maximum of the two: the
+``HOST_OVERLAP_NORM``-norm of (device time, host time), which is the larger within 1% once
+one is under half the other and at most 2^(1/8) = 9% above it where they are equal.
+
+On a CPU standing in for an accelerator (CI's gloo runs) the host *is* the device: every
+kernel runs when it is issued, so its cost per kernel is part of the roofline (the
+efficiency's ``launch_s``, a calibration's ``launch_s``) and nothing here applies.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from autoplan.models.spec import LayerSpec
+
+HOST_OVERLAP_NORM = 8.0
+"""Exponent of the norm that combines device and host time (the larger of the two, smoothed
+where they are close). On the autoplan stack's fitting sweep
+(``benchmarks/results/gpu/h100/memory_runs.csv``, its host costs fitted at each norm by
+``python benchmarks/published/validate.py --fit``) the step-time error is 6.8% at 2, 5.7% at
+4, 5.2% at 8 and 5.0% for a hard maximum: flat from 8 up. 8 keeps some smoothing, as a step
+whose phases alternate between waiting on the host and on the device needs."""
+
+
+def runs_asynchronously(device_name: str) -> bool:
+    """Whether a device runs kernels while its host goes on (every accelerator; not a CPU
+    standing in for one)."""
+    return not device_name.upper().startswith("CPU")
+
+
+@dataclass(frozen=True)
+class HostCosts:
+    """What the host spends per training step on one device type."""
+
+    per_kernel_s: float = 0.0
+    """Seconds to issue one kernel of the forward or backward pass."""
+    per_step_s: float = 0.0
+    """Seconds per step besides those kernels (the optimizer's per-tensor loops, gradient
+    clipping, zeroing, logging). Charged to every rank in full, whatever share of the model
+    it holds: the runs it is fitted on hold the whole model on one GPU."""
+
+    def time(self, kernels: float) -> float:
+        """Host seconds of a step that issues ``kernels`` forward and backward kernels."""
+        if not self.per_kernel_s and not self.per_step_s:
+            return 0.0
+        return kernels * self.per_kernel_s + self.per_step_s
+
+
+NO_HOST = HostCosts()
+
+
+def host_costs(device_name: str, stack, calibration=None) -> HostCosts:
+    """The host costs of a step on ``device_name`` under ``stack``: a calibration's for this
+    device when it has them (its ``launch_s`` is then the host's per kernel; None keeps the
+    stack's), else the stack's; none on a CPU (see the module docstring)."""
+    if not runs_asynchronously(device_name):
+        return NO_HOST
+    cal = calibration.device(device_name) if calibration is not None else None
+    if cal is None:
+        return HostCosts(stack.host_s_per_kernel, stack.host_s_per_step)
+    per_kernel = stack.host_s_per_kernel if cal.launch_s is None else cal.launch_s
+    return HostCosts(per_kernel, cal.step_overhead_s)
+
+
+def layer_host_kernels(layer: LayerSpec, recompute: str, stack) -> float:
+    """Kernels the host issues for one micro-batch of ``layer``: its forward, its backward,
+    and what recomputation re-runs (full: the forward, or with an early-stopping checkpoint
+    its prefix up to the last save plus the checkpoint's pack and unpack hook per saved
+    tensor, as ``costmodel.compute.roofline_timing`` charges them; selective: the attention
+    core, a few kernels, not counted)."""
+    kernels = layer.kernels_fwd + layer.kernels_bwd
+    if recompute == "full":
+        pre = layer.recompute_prefix
+        if stack.recompute_early_stop and pre is not None:
+            kernels += pre.kernels + 2 * pre.saved_tensors
+        else:
+            kernels += layer.kernels_fwd
+    return kernels
+
+
+def with_host(device_s: float, host_s: float) -> float:
+    """A step's seconds from its device time and its host time (module docstring)."""
+    if host_s <= 0.0:
+        return device_s
+    p = HOST_OVERLAP_NORM
+    top = max(device_s, host_s)
+    return top * ((device_s / top) ** p + (host_s / top) ** p) ** (1.0 / p)
