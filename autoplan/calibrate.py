@@ -36,6 +36,7 @@ from autoplan.plan import Plan
 from autoplan.stacks import Stack, get_stack
 from autoplan.units import GiB
 from costmodel.calibration import Calibration, DeviceCalibration
+from costmodel.host import runs_asynchronously, with_host
 
 MIN_RUNS = 2
 """Fewest measured runs with a step time a calibration is fitted from. With fewer than four,
@@ -218,7 +219,6 @@ def _decompose(run: MeasuredRun) -> _Decomposed:
     path); on an accelerator the host's kernels are counted as the estimate counts them."""
     from costmodel import estimate
     from costmodel.estimate import EstimateOptions, host_time
-    from costmodel.host import runs_asynchronously
     devices = {run.cluster.slots[r].device.name for g in run.plan.groups for r in g.ranks}
     device = sorted(devices)[0]
     asynchronous = runs_asynchronously(device)
@@ -245,7 +245,6 @@ def _decompose(run: MeasuredRun) -> _Decomposed:
 def _predict_time(d: _Decomposed, scale: float, per_kernel: float, per_step: float) -> float:
     """A run's step time under a compute scale and the costs per kernel and per step: on a
     CPU they add to its compute; an accelerator's host runs beside its device."""
-    from costmodel.host import with_host
     if d.asynchronous:
         return with_host(scale * d.compute + d.other, d.kernels * per_kernel + per_step)
     return scale * (d.compute + d.kernels * per_kernel) + d.other + per_step

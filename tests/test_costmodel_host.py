@@ -6,6 +6,8 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 import autoplan
 from autoplan.stacks import get_stack
@@ -27,6 +29,18 @@ CPU = autoplan.Cluster.load("examples/clusters/cpu-4ranks.json")
 def test_step_is_the_larger_smoothed(device, host, low, high):
     assert low - 1e-12 <= with_host(device, host) <= high + 1e-12
     assert with_host(device, host) >= max(device, host) - 1e-12
+
+
+SECONDS = st.floats(min_value=0.0, max_value=1e4, allow_nan=False)
+
+
+@given(SECONDS, SECONDS, SECONDS)
+def test_step_grows_with_either_side_and_stays_near_the_larger(device, host, more):
+    step = with_host(device, host)
+    top = max(device, host)
+    assert top - 1e-9 * top <= step <= top * 2 ** (1 / HOST_OVERLAP_NORM) * (1 + 1e-12)
+    assert with_host(device + more, host) >= step * (1 - 1e-12)
+    assert with_host(device, host + more) >= step * (1 - 1e-12)
 
 
 @pytest.mark.parametrize("name,asynchronous", [
