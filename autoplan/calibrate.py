@@ -40,8 +40,9 @@ from costmodel.host import runs_asynchronously, with_host
 
 MIN_RUNS = 2
 """Fewest measured runs with a step time a calibration is fitted from. With fewer than four,
-the cost per kernel launch keeps the device family's default and only the compute scale and
-the host cost per step are fitted (two parameters need two runs)."""
+the cost per kernel keeps its default (the device family's launch cost on a CPU, the stack's
+host cost per kernel on a GPU) and only the compute scale and the cost per step are fitted
+(two parameters need two runs)."""
 FULL_FIT_RUNS = 4
 """Runs from which all three timing parameters are fitted."""
 CSV_REQUIRED = ("model", "seq_len", "device", "tp", "pp", "dp", "micro_batch", "global_batch", "recompute",
@@ -224,14 +225,14 @@ def _decompose(run: MeasuredRun) -> _Decomposed:
     asynchronous = runs_asynchronously(device)
 
     def calibrated(scale: float, launch: float) -> float:
-        cal = Calibration(stack=run.stack, devices={d: DeviceCalibration(scale, launch) for d in devices})
+        cal = Calibration(stack=run.stack, devices={d: DeviceCalibration(scale, launch, 0.0) for d in devices})
         return estimate(run.model, run.cluster, run.plan, stack=run.stack, calibration=cal).iteration_time_s
 
     base = estimate(run.model, run.cluster, run.plan, stack=run.stack)
     t0 = calibrated(1.0, 0.0)      # CPU: no launches; accelerator: no host
     compute = max(calibrated(2.0, 0.0) - t0, 0.0)
     if asynchronous:
-        one = Calibration(stack=run.stack, devices={d: DeviceCalibration(1.0, 1.0) for d in devices})
+        one = Calibration(stack=run.stack, devices={d: DeviceCalibration(1.0, 1.0, 0.0) for d in devices})
         kernels = host_time(run.model, run.cluster, run.plan, EstimateOptions(stack=run.stack, calibration=one))
     else:
         kernels = max(calibrated(1.0, 1e-3) - t0, 0.0) / 1e-3

@@ -114,7 +114,7 @@ def evaluate(records: list[Path], out: Path) -> str:
                      f"{base:.4f} | {r.step_time_s / base:.1f}x | {pred:.4f} | {err:+.1%} |")
     (d, c), = cal.devices.items()
     lines += ["", f"Fitted on {len(fitting)} plans: {d}: compute x{c.compute_scale:.3g}, {c.launch_s * 1e6:.3g} us "
-              f"per kernel, {c.step_overhead_s * 1e3:.3g} ms per step.",
+              f"per kernel, {(c.step_overhead_s or 0.0) * 1e3:.3g} ms per step.",
               f"Held-out plans: mean |error| **{sum(abs(e) for e in errors) / len(errors):.1%}**, worst "
               f"**{max(abs(e) for e in errors):.1%}** over {len(errors)} plans.",
               f"Leave-one-out over all {len(runs)} plans (`autoplan calibrate --runs ...`): mean |error| "

@@ -35,10 +35,10 @@ class DeviceCalibration:
     """Fixed cost per kernel in seconds: on a CPU part of its compute, on an accelerator
     the host's, beside the device (``costmodel.host``). None: the device family's launch
     cost (CPU) or the stack's host cost (accelerator)."""
-    step_overhead_s: float = 0.0
+    step_overhead_s: float | None = None
     """Fixed host-side seconds per training step the roofline does not see (Python, the
     optimizer's per-tensor loops, synchronisation); as ``launch_s``, beside an
-    accelerator's work."""
+    accelerator's work. None: the stack's host cost per step (accelerator), none (CPU)."""
 
 
 @dataclass(frozen=True)
@@ -82,7 +82,9 @@ class Calibration:
 
     def to_dict(self) -> dict:
         return {"schema_version": SCHEMA_VERSION, "kind": KIND, "stack": self.stack,
-                "devices": {n: {"compute_scale": d.compute_scale, "step_overhead_ms": d.step_overhead_s * 1e3,
+                "devices": {n: {"compute_scale": d.compute_scale,
+                                **({"step_overhead_ms": d.step_overhead_s * 1e3}
+                                   if d.step_overhead_s is not None else {}),
                                 **({"launch_us": d.launch_s * 1e6} if d.launch_s is not None else {})}
                             for n, d in sorted(self.devices.items())},
                 "activation_scale": self.activation_scale,
@@ -118,12 +120,13 @@ class Calibration:
                                   "recalibrate with `autoplan calibrate`")
             d.reject_unknown(("compute_scale", "launch_us", "step_overhead_ms"))
             launch = d.float("launch_us", None, minimum=0.0)
+            step = d.float("step_overhead_ms", None, minimum=0.0)
             scale = d.float("compute_scale", 1.0, positive=True)
             if scale > 1e3:
                 raise ConfigError(d.path("compute_scale"), f"{scale:g} is not a plausible slowdown", "recalibrate")
             devices[str(name)] = DeviceCalibration(compute_scale=scale,
                                                    launch_s=None if launch is None else launch * 1e-6,
-                                                   step_overhead_s=d.float("step_overhead_ms", 0.0, minimum=0.0) * 1e-3)
+                                                   step_overhead_s=None if step is None else step * 1e-3)
 
         def pair(key):
             v = r.list(key, [0.0, 0.0])

@@ -19,7 +19,7 @@ from costmodel.comm import collective_time, p2p_time
 from costmodel.compute import ProfileSource, layer_timing
 from costmodel.context import context_shard, stage_exchange
 from costmodel.efficiency import achieved_memory_bandwidth, default_efficiency
-from costmodel.host import host_costs, layer_host_kernels, runs_asynchronously, with_host
+from costmodel.host import host_costs, layer_host_kernels, pipeline_host_time, runs_asynchronously, with_host
 from costmodel.memory import (DEFAULT_MEMORY_MARGIN, GroupMemory, activation_bytes, group_memory,
                               model_state_bytes, optimizer_step_bytes, transient_bytes)
 from costmodel.redistribute import layout_comm
@@ -374,7 +374,7 @@ def _optimizer_time(model: ModelSpec, cluster: Cluster, plan: Plan, g: int, stac
     step = max(shard * stack.optimizer_traffic_bytes_per_param / achieved_memory_bandwidth(d)
                for d in _group_devices(cluster, group.ranks))
     if calibration is not None:
-        step += max((c.step_overhead_s for d in _group_devices(cluster, group.ranks)
+        step += max((c.step_overhead_s or 0.0 for d in _group_devices(cluster, group.ranks)
                      if (c := calibration.device(d.name)) is not None and not runs_asynchronously(d.name)),
                     default=0.0)
     gather = 0.0
@@ -385,19 +385,18 @@ def _optimizer_time(model: ModelSpec, cluster: Cluster, plan: Plan, g: int, stac
 
 
 def host_time(model: ModelSpec, cluster: Cluster, plan: Plan, options: EstimateOptions) -> float:
-    """Seconds the busiest host spends on a step (``costmodel.host``): each rank issues its
-    stages' kernels for every micro-batch of its replica; a group of mixed device types
-    waits on its slowest host."""
-    stack, worst = options.stack, 0.0
+    """Host seconds of a step along the pipeline (``costmodel.host.pipeline_host_time``):
+    each rank issues its stages' kernels for every micro-batch of its replica; a group of
+    mixed device types waits on its slowest host."""
+    stack = options.stack
+    per_micro_batch, per_step = [], []
     for g, group in enumerate(plan.groups):
         costs = [host_costs(d.name, stack, options.calibration) for d in _group_devices(cluster, group.ranks)]
-        if not any(c.per_kernel_s or c.per_step_s for c in costs):
-            continue
-        kernels = plan.num_micro_batches * sum(
-            layer_host_kernels(l, plan.stages[s].recompute, stack)
-            for s in plan.stages_of_group(g) for l in model.layers[plan.stages[s].start:plan.stages[s].end])
-        worst = max(worst, max(c.time(kernels) for c in costs))
-    return worst
+        kernels = sum(layer_host_kernels(l, plan.stages[s].recompute, stack)
+                      for s in plan.stages_of_group(g) for l in model.layers[plan.stages[s].start:plan.stages[s].end])
+        per_micro_batch.append(max(c.per_kernel_s for c in costs) * kernels)
+        per_step.append(max(c.per_step_s for c in costs))
+    return pipeline_host_time(per_micro_batch, per_step, plan.num_micro_batches)
 
 
 def _transient(model: ModelSpec, cluster: Cluster, plan: Plan, s: int, stack: Stack, load: float = 1.0) -> float:
@@ -522,8 +521,10 @@ def estimate(model: ModelSpec, cluster: Cluster, plan: Plan, options: EstimateOp
                        "roofline": "roofline, default efficiencies", "mixed": "measured profile and roofline"}[src]
     inputs["memory"] = f"stack {stack.name}" + (", calibrated" if options.calibration else " defaults")
     if host_s > 0:
+        calibrated = options.calibration is not None and any(
+            options.calibration.device(node_group.device.name) is not None for node_group in cluster.groups)
         inputs["host"] = (f"{host_s:.3g} s of host work per step, "
-                          + ("calibrated" if options.calibration else f"stack {stack.name} defaults"))
+                          + ("calibrated" if calibrated else f"stack {stack.name} defaults"))
     inputs["interval"] = time_band.source or "none"
     return Estimate(
         plan=plan, iteration_time_s=T, tokens_per_s=tokens / T, samples_per_s=samples / T,

@@ -7,7 +7,8 @@ is slower (small layers, many kernels) takes the host's, the device idling betwe
 kernels. Within a step the two alternate (a layer's forward may wait on the host, its
 backward not), so the step takes a smoothed maximum of the two: the
 ``HOST_OVERLAP_NORM``-norm of (device time, host time), which is the larger within 1% once
-one is under half the other and at most 2^(1/8) = 9% above it where they are equal.
+one is under half the other and at most 2^(1/8) = 9% above it where they are equal. Host
+work follows a pipeline as device work does (:func:`pipeline_host_time`).
 
 On a CPU standing in for an accelerator (CI's gloo runs) the host *is* the device: every
 kernel runs when it is issued, so its cost per kernel is part of the roofline (the
@@ -57,15 +58,17 @@ NO_HOST = HostCosts()
 
 def host_costs(device_name: str, stack, calibration=None) -> HostCosts:
     """The host costs of a step on ``device_name`` under ``stack``: a calibration's for this
-    device when it has them (its ``launch_s`` is then the host's per kernel; None keeps the
-    stack's), else the stack's; none on a CPU (see the module docstring)."""
+    device when it has them (its ``launch_s`` and ``step_overhead_s`` are then the host's;
+    either None keeps the stack's), else the stack's; none on a CPU (see the module
+    docstring)."""
     if not runs_asynchronously(device_name):
         return NO_HOST
     cal = calibration.device(device_name) if calibration is not None else None
     if cal is None:
         return HostCosts(stack.host_s_per_kernel, stack.host_s_per_step)
     per_kernel = stack.host_s_per_kernel if cal.launch_s is None else cal.launch_s
-    return HostCosts(per_kernel, cal.step_overhead_s)
+    per_step = stack.host_s_per_step if cal.step_overhead_s is None else cal.step_overhead_s
+    return HostCosts(per_kernel, per_step)
 
 
 def layer_host_kernels(layer: LayerSpec, recompute: str, stack) -> float:
@@ -84,9 +87,35 @@ def layer_host_kernels(layer: LayerSpec, recompute: str, stack) -> float:
     return kernels
 
 
+def pipeline_host_time(per_micro_batch: list[float], per_step: list[float], micro_batches: int) -> float:
+    """Host seconds of a step whose pipeline groups' hosts spend ``per_micro_batch[g]``
+    issuing one micro-batch's kernels and ``per_step[g]`` besides: a host issues a
+    micro-batch's kernels of its stages once their input arrives, so host work follows
+    the pipeline as device work does -- ``m - 1`` periods of the busiest host and one pass
+    through every host (the textbook pipeline time, Narayanan et al. SC21 section 2.2),
+    then the per-step work. One group: ``m`` times its work per micro-batch and its
+    per-step work; a deep pipeline of one micro-batch gains nothing over one stage."""
+    if not any(per_micro_batch) and not any(per_step):
+        return 0.0
+    return ((micro_batches - 1) * max(per_micro_batch) + sum(per_micro_batch)
+            + max(per_step, default=0.0))
+
+
+def device_budget(step_s: float, host_s: float) -> float:
+    """The device time under which a step whose host takes at least ``host_s`` stays under
+    ``step_s`` (the inverse of :func:`with_host` in its device time; 0 where the host alone
+    reaches it). Lets a bound on the whole step prune device-only quantities."""
+    if host_s <= 0.0 or step_s == float("inf"):
+        return step_s
+    if host_s >= step_s:
+        return 0.0
+    p = HOST_OVERLAP_NORM
+    return step_s * (1.0 - (host_s / step_s) ** p) ** (1.0 / p)
+
+
 def with_host(device_s: float, host_s: float) -> float:
     """A step's seconds from its device time and its host time (module docstring)."""
-    if host_s <= 0.0:
+    if host_s <= 0.0 or device_s == float("inf"):
         return device_s
     p = HOST_OVERLAP_NORM
     top = max(device_s, host_s)

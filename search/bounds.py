@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from costmodel.host import layer_host_kernels, with_host
 from search.evaluate import Setting, Skeleton, simulated
 from search.tables import RECOMPUTES, Kind, Tables
 
@@ -83,6 +84,10 @@ class Bounds:
         self._chains: dict = {}
         self._unit: dict = {}
         self._mixed_periods: dict = {}
+        self._model_kernels: dict = {}
+        self._host: dict = {}
+        self._host_floor: dict = {}
+        self._one_pool = len(tables.cluster.groups) == 1
         self._fill: dict = {}
         self._contexts: dict = {}
         self._per_sample: dict = {}
@@ -597,7 +602,50 @@ class Bounds:
         hit = self._mb_bound.get(key)
         if hit is None:
             period = self._period(tuple(self._distinct(sk_id, sk)), sk.pp, b, sp)
-            hit = self._mb_bound[key] = period / b * self.global_batch / sk.dp
+            m = self.global_batch / (b * sk.dp)
+            hit = self._mb_bound[key] = with_host(period * m, self.host_floor(sk, m))
+        return hit
+
+    def host_floor(self, sk: Skeleton, m: float) -> float:
+        """A lower bound on the host's time per step (``costmodel.host.pipeline_host_time``)
+        over every split of ``sk`` with ``m`` micro-batches: some group pays its cost per
+        step, and some group issues at least 1/pp of the model's kernels (without
+        recomputation, the fewest) for each of the m micro-batches. Bounds on the step are
+        ``with_host(device bound, this)``: the step grows with both."""
+        key = (self._host_pools(sk), sk.pp, m)
+        hit = self._host_floor.get(key)
+        if hit is None:
+            costs = [self.tables.host_costs(k.pool) for k in set(sk.kinds)]
+            least = (min(c.per_step_s for c in costs)
+                     + min(c.per_kernel_s for c in costs) * m * self.model_kernels("none") / sk.pp)
+            hit = self._host_floor[key] = max(max(c.per_step_s for c in costs), least)
+        return hit
+
+    def host_ceiling(self, sk: Skeleton, m: float) -> float:
+        """An upper bound on the host's time per step over every split of ``sk`` with ``m``
+        micro-batches (every kernel recomputed, all of them on the slowest host's path):
+        where it is small against a step, the host cannot change what prunes."""
+        key = ("ceiling", self._host_pools(sk), sk.pp, m)
+        hit = self._host.get(key)
+        if hit is None:
+            costs = [self.tables.host_costs(k.pool) for k in set(sk.kinds)]
+            hit = self._host[key] = (max(c.per_step_s for c in costs) + max(c.per_kernel_s for c in costs)
+                                     * (m + sk.pp - 1) * self.model_kernels("full"))
+        return hit
+
+    def _host_pools(self, sk: Skeleton):
+        """What the host's bounds depend on of a skeleton besides its depth: nothing on a
+        cluster of one node group (the common case, asked thousands of times), else its
+        pools."""
+        return None if self._one_pool else tuple(k.pool for k in sk.kinds)
+
+    def model_kernels(self, recompute: str) -> float:
+        """Kernels the whole model's units issue per micro-batch under ``recompute``."""
+        hit = self._model_kernels.get(recompute)
+        if hit is None:
+            stack = self.tables.stack
+            hit = self._model_kernels[recompute] = sum(layer_host_kernels(l, recompute, stack)
+                                                       for l in self.tables.model.layers)
         return hit
 
     def _period(self, distinct: tuple, P: int, b: int, sp: bool) -> float:
@@ -693,7 +741,8 @@ class Bounds:
         extra = self._extra_in(ctx, sk_id, sk, st)
         if extra == INF:
             return INF
-        return self._bound(ctx, sk_id, sk, st, extra, period_floor)
+        return with_host(self._bound(ctx, sk_id, sk, st, extra, period_floor),
+                         self.host_floor(sk, st.num_micro_batches))
 
     def item_bound(self, sk_id: int, sk: Skeleton, b: int, sp: bool, pipelinings, zero: int) -> float:
         """A bound valid for every setting of ``sk`` at micro-batch ``b`` and sequence
@@ -706,8 +755,9 @@ class Bounds:
         :meth:`micro_batch_bound` it counts the pipeline's fill and sends, so most of the
         micro-batch sizes a skeleton allows are ruled out without bounding each setting."""
         ctx = self._context(sk_id, sk, b, sp)
-        return min((self._bound(ctx, sk_id, sk, Setting(b, m, schedule, v, zero, sp), 0.0, 0.0,
-                                every_zero=True) for m, schedule, v in pipelinings), default=INF)
+        return min((with_host(self._bound(ctx, sk_id, sk, Setting(b, m, schedule, v, zero, sp), 0.0, 0.0,
+                                          every_zero=True), self.host_floor(sk, m))
+                    for m, schedule, v in pipelinings), default=INF)
 
     def _bound(self, ctx: "_Context", sk_id: int, sk: Skeleton, st: Setting, extra: float,
                period_floor: float, every_zero: bool = False) -> float:

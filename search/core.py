@@ -35,9 +35,11 @@ from autoplan.models.spec import ModelSpec
 from autoplan.plan import DeviceGroup, Plan, Stage, even_split
 from autoplan.units import GiB
 from costmodel import estimate as full_estimate
+from costmodel.host import device_budget
 from search.bounds import Bounds
 from search.evaluate import (Analysis, Candidate, Setting, Skeleton, analyze, busy_bound, fits_memory,
-                             program_actions, simulated, split_host_time, stage_figures, work_floor)
+                             host_time, program_actions, simulated, split_host_time, stage_figures,
+                             work_floor)
 from search.inflight import inflight
 from search.placement import PlacementStats, allocate, pool_kinds, sizings
 from search.progress import Progress
@@ -135,6 +137,10 @@ ANCHOR_GAIN = 0.93
 """... and only when the window could lower the shortlist's threshold below this share of
 it (the search's results do not depend on it; where the shortlist is nearly as tight, a
 full estimate costs more than the splits it saves)."""
+HOST_NEGLIGIBLE = 0.25
+"""Where the most a step's hosts could take is under this share of the bar a split must
+beat, device-only floors are held against the bar itself (the host would lower it by under
+1e-5 of it, ``costmodel.host``): the exact host time of every split is not worth computing."""
 REFINE_WINDOW = 1.1
 """Refine a split only when its time is within this factor of the shortlist's worst (or the
 shortlist is not full): refining rarely gains more than that."""
@@ -699,7 +705,7 @@ class _Search:
                     skeletons = skeletons + extra
                     stats.skeletons = len(skeletons)
             stats.phase_s["split"] = time.perf_counter() - t0 - stats.phase_s.get("bounds", 0.0)
-            stats.splits = self.splitter.runs
+            stats.splits = self.splitter.runs + (self.host_splitter.runs if self.host_splitter else 0)
             stats.shortlisted = len(short)
             if not short and stats.stopped_at_time_limit:
                 raise ConfigError("time_limit", f"{self.c.time_limit:g} s ran out before any plan that fits was found",
@@ -913,12 +919,14 @@ class _Search:
                 if z != last and not self.memory_bound_ok(sk, st):
                     stats.pruned_memory_bound += 1
                     continue
-                # No stage may be slower than what could still beat the shortlist.
+                # No stage may be slower than what could still beat the shortlist (its
+                # device time, with the least the hosts can add).
                 limit = INF
                 if len(shortlist) >= keep:
                     m = st.num_micro_batches
                     denom = m if st.schedule == "zero-bubble" else m - 1
-                    limit = threshold() / denom if denom > 0 else INF
+                    budget = device_budget(threshold(), self.bounds.host_floor(sk, m))
+                    limit = budget / denom if denom > 0 else INF
                 best = self._split(sk, st, limit, threshold(), dp_beaten)
                 if best is None:
                     stats.pruned_no_split += 1
@@ -1061,7 +1069,8 @@ class _Search:
             if key in timed_splits:   # (the even interleaved split is checked before it is offered)
                 return timed_splits[key]
             bar = threshold if best is None else min(threshold, best[1].time_s)
-            # (The margin: the floor adds the same terms as the figures in another order.)
+            # (The margin: the floor adds the same terms as the figures in another order. The
+            # device-only floor against the whole bar: the hosts only lengthen a step.)
             hopeless = work_floor(self.tables, sk, st, split.bounds, split.recompute) > bar * (1 + 1e-9)
             if hopeless and sim:
                 self.stats.pruned_split_bound += 1
@@ -1077,6 +1086,9 @@ class _Search:
                     timed_splits[key] = Analysis(time_s=INF, memory=(), fits=fits)
                     return timed_splits[key]
             figs = stage_figures(self.tables, sk, st, split.bounds, split.recompute, known)
+            if sim and self.bounds.host_ceiling(sk, st.num_micro_batches) > HOST_NEGLIGIBLE * bar:
+                # What the device may take beside this split's hosts and still beat the bar.
+                bar = device_budget(bar, host_time(self.tables, sk, st, figs))
             if sim and busy_bound(self.tables, sk, st, figs) >= bar:
                 self.stats.pruned_split_bound += 1
                 timed_splits[key] = None
@@ -1120,7 +1132,8 @@ class _Search:
                     best = (split, analysis)
             if best is not None or st.virtual_stages == 1:
                 break
-        if best is not None and self.host_splitter is not None and sk.pp > 1:
+        if (best is not None and self.host_splitter is not None and sk.pp > 1
+                and self.bounds.host_ceiling(sk, st.num_micro_batches) >= 0.5 * best[1].time_s):
             # A step that waits on its hosts is as slow as the group issuing the most
             # kernels: the split balanced for that too competes (costmodel.host).
             if split_host_time(self.tables, sk, st, best[0].bounds, best[0].recompute) >= 0.5 * best[1].time_s:

@@ -20,7 +20,7 @@ import numpy as np
 
 from autoplan.models.spec import ModelSpec
 from autoplan.plan import DeviceGroup, Plan, Stage
-from costmodel.host import with_host
+from costmodel.host import pipeline_host_time, with_host
 from search.inflight import inflight
 from search.tables import RECOMPUTES, Kind, Tables
 
@@ -445,7 +445,7 @@ def simulated_time(tables: Tables, sk: Skeleton, st: Setting, figs: Sequence[Sta
 
 
 def host_time(tables: Tables, sk: Skeleton, st: Setting, figs: Sequence[StageFigures]) -> float:
-    """Seconds the busiest host spends on a step, as ``costmodel.estimate.host_time``
+    """Host seconds of a step along the pipeline, as ``costmodel.estimate.host_time``
     counts them: each group's stages' kernels for every micro-batch, at its pool's costs."""
     return _host_time(tables, sk, st, [f.kernels for f in figs])
 
@@ -462,12 +462,10 @@ def split_host_time(tables: Tables, sk: Skeleton, st: Setting, bounds: Sequence[
 
 
 def _host_time(tables: Tables, sk: Skeleton, st: Setting, kernels: Sequence[float]) -> float:
-    P, worst = sk.pp, 0.0
-    for g in range(P):
-        costs = tables.host_costs(sk.kinds[g].pool)
-        if costs.per_kernel_s or costs.per_step_s:
-            worst = max(worst, costs.time(st.num_micro_batches * sum(kernels[g::P])))
-    return worst
+    P = sk.pp
+    costs = [tables.host_costs(sk.kinds[g].pool) for g in range(P)]
+    return pipeline_host_time([c.per_kernel_s * sum(kernels[g::P]) for g, c in enumerate(costs)],
+                              [c.per_step_s for c in costs], st.num_micro_batches)
 
 
 def busy_bound(tables: Tables, sk: Skeleton, st: Setting, figs: Sequence[StageFigures]) -> float:

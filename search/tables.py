@@ -506,7 +506,7 @@ class Tables:
         cal = self.options.calibration
         name = self.cluster.groups[pool].device.name
         dev = cal.device(name) if cal is not None and not runs_asynchronously(name) else None
-        return dev.step_overhead_s if dev is not None else 0.0
+        return (dev.step_overhead_s or 0.0) if dev is not None else 0.0
 
     def host_costs(self, pool: int) -> HostCosts:
         """The host's costs per step on a device of this pool (``costmodel.host``)."""

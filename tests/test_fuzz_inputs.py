@@ -272,7 +272,8 @@ def _ok_stack(stack) -> None:
 def _ok_calibration(cal) -> None:
     _numbers_finite(cal)
     for d in cal.devices.values():
-        assert _finite_positive(d.compute_scale) and math.isfinite(d.step_overhead_s) and d.step_overhead_s >= 0
+        assert _finite_positive(d.compute_scale)
+        assert d.step_overhead_s is None or (math.isfinite(d.step_overhead_s) and d.step_overhead_s >= 0)
     assert _finite_positive(cal.activation_scale)
 
 

@@ -14,6 +14,7 @@ from hypothesis import strategies as hst
 from autoplan import Cluster, Plan, models
 from autoplan.plan import DeviceGroup, Stage
 from autoplan.schedule import build_program
+from autoplan.stacks import get_stack
 from costmodel import EstimateOptions, estimate
 from costmodel.comm import p2p_time
 from costmodel.estimate import stage_costs
@@ -470,6 +471,10 @@ def test_item_bound_is_below_every_setting_of_the_item(name):
 
 DEEP = models.transformer(layers=10, hidden=1024, heads=16, seq_len=1024, vocab=2048, name="deep-10x1024")
 """Blocks dominate (a small vocabulary): memory_period's relaxation bites."""
+DEVICE_ONLY = EstimateOptions(stack=replace(get_stack("autoplan"), host_s_per_kernel=0.0, host_s_per_step=0.0))
+"""The default stack without its host costs (costmodel.host)."""
+
+
 MEMORY_PERIOD_CASES = {
     # name: (schedule, virtual stages, micro-batch, ZeRO, GiB per GPU, recompute modes, memory binds)
     "1f1b-roomy": ("1f1b", 1, 2, 1, 40.0, ("none", "selective", "full"), False),
@@ -498,7 +503,8 @@ def test_memory_period_is_below_every_fitting_split(name):
         {"name": f"n{i}", "nodes": 2 // len(sizes), "gpus_per_node": 2, "device": {
             "name": f"toy{i}", "memory_GiB": gib, "peak_TFLOPS": {"bf16": 100 - 40 * i}, "memory_bandwidth_GBps": 1000}}
         for i, gib in enumerate(sizes)]})
-    tables = Tables(DEEP, cluster)
+    # (Device time only: on these toy GPUs the stack's host would dwarf what memory forces.)
+    tables = Tables(DEEP, cluster, options=DEVICE_ONLY)
     bounds_ = Bounds(tables, modes, global_batch=16)
     sk = Skeleton(groups=tuple(DeviceGroup(ranks=(2 * g, 2 * g + 1), tp=1) for g in range(2)),
                   kinds=tuple(Kind(g if len(sizes) > 1 else 0, 1) for g in range(2)))
@@ -545,7 +551,7 @@ def test_share_period_is_below_every_split_within_chunk_budgets(name):
         {"name": f"n{i}", "nodes": 2 // len(sizes), "gpus_per_node": 2, "device": {
             "name": f"toy{i}", "memory_GiB": gib, "peak_TFLOPS": {"bf16": 100 - 40 * i}, "memory_bandwidth_GBps": 1000}}
         for i, gib in enumerate(sizes)]})
-    tables = Tables(DEEP, cluster)
+    tables = Tables(DEEP, cluster, options=DEVICE_ONLY)   # (device periods against the time bound)
     bounds_, splitter = Bounds(tables, modes, global_batch=16), Splitter(tables)
     sk = Skeleton(groups=tuple(DeviceGroup(ranks=(2 * g, 2 * g + 1), tp=1) for g in range(2)),
                   kinds=tuple(Kind(g if len(sizes) > 1 else 0, 1) for g in range(2)))

@@ -56,7 +56,7 @@ def run(args) -> int:
     for name, d in cal.devices.items():
         where = "host, beside the device" if runs_asynchronously(name) else "added to compute"
         print(f"{name}: compute x{d.compute_scale:.3g}, {d.launch_s * 1e6:.3g} us per kernel and "
-              f"{d.step_overhead_s * 1e3:.3g} ms per step ({where})")
+              f"{(d.step_overhead_s or 0.0) * 1e3:.3g} ms per step ({where})")
     if cal.loo_memory_mape is not None:
         print(f"memory: activations x{cal.activation_scale:.3g}, {cal.memory_overhead_bytes / 2**30:+.2f} GiB per rank")
     print(f"leave-one-out step-time error: mean {cal.loo_time_mape:.1%}, 80% of runs within "
