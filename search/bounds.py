@@ -86,7 +86,6 @@ class Bounds:
         self._mixed_periods: dict = {}
         self._model_kernels: dict = {}
         self._host: dict = {}
-        self._host_floor: dict = {}
         self._one_pool = len(tables.cluster.groups) == 1
         self._fill: dict = {}
         self._contexts: dict = {}
@@ -612,32 +611,30 @@ class Bounds:
         step, and some group issues at least 1/pp of the model's kernels (without
         recomputation, the fewest) for each of the m micro-batches. Bounds on the step are
         ``with_host(device bound, this)``: the step grows with both."""
-        key = (self._host_pools(sk), sk.pp, m)
-        hit = self._host_floor.get(key)
-        if hit is None:
-            costs = [self.tables.host_costs(k.pool) for k in set(sk.kinds)]
-            least = (min(c.per_step_s for c in costs)
-                     + min(c.per_kernel_s for c in costs) * m * self.model_kernels("none") / sk.pp)
-            hit = self._host_floor[key] = max(max(c.per_step_s for c in costs), least)
-        return hit
+        most_step, least_step, least_kernels, _, _ = self._host_lines(sk)
+        return max(most_step, least_step + least_kernels * m)
 
     def host_ceiling(self, sk: Skeleton, m: float) -> float:
         """An upper bound on the host's time per step over every split of ``sk`` with ``m``
         micro-batches (every kernel recomputed, all of them on the slowest host's path):
         where it is small against a step, the host cannot change what prunes."""
-        key = ("ceiling", self._host_pools(sk), sk.pp, m)
+        most_step, _, _, most_kernels, depth = self._host_lines(sk)
+        return most_step + most_kernels * (m + depth - 1)
+
+    def _host_lines(self, sk: Skeleton) -> tuple[float, float, float, float, int]:
+        """(most and least cost per step, least host seconds per micro-batch a group must
+        spend, most the whole model can take per micro-batch, depth) of ``sk``'s hosts.
+        Asked thousands of times per search, so kept by depth alone on a cluster of one
+        node group (no key to build), by depth and pools elsewhere."""
+        key = sk.pp if self._one_pool else (sk.pp, tuple(k.pool for k in sk.kinds))
         hit = self._host.get(key)
         if hit is None:
             costs = [self.tables.host_costs(k.pool) for k in set(sk.kinds)]
-            hit = self._host[key] = (max(c.per_step_s for c in costs) + max(c.per_kernel_s for c in costs)
-                                     * (m + sk.pp - 1) * self.model_kernels("full"))
+            hit = self._host[key] = (
+                max(c.per_step_s for c in costs), min(c.per_step_s for c in costs),
+                min(c.per_kernel_s for c in costs) * self.model_kernels("none") / sk.pp,
+                max(c.per_kernel_s for c in costs) * self.model_kernels("full"), sk.pp)
         return hit
-
-    def _host_pools(self, sk: Skeleton):
-        """What the host's bounds depend on of a skeleton besides its depth: nothing on a
-        cluster of one node group (the common case, asked thousands of times), else its
-        pools."""
-        return None if self._one_pool else tuple(k.pool for k in sk.kinds)
 
     def model_kernels(self, recompute: str) -> float:
         """Kernels the whole model's units issue per micro-batch under ``recompute``."""

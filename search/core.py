@@ -1133,7 +1133,8 @@ class _Search:
             if best is not None or st.virtual_stages == 1:
                 break
         if (best is not None and self.host_splitter is not None and sk.pp > 1
-                and self.bounds.host_ceiling(sk, st.num_micro_batches) >= 0.5 * best[1].time_s):
+                and self.bounds.host_ceiling(sk, st.num_micro_batches) >= 0.5 * best[1].time_s
+                and split_host_time(self.tables, sk, st, best[0].bounds, best[0].recompute) >= 0.5 * best[1].time_s):
             # A step that waits on its hosts is as slow as the group issuing the most
             # kernels: the split balanced for that too competes (costmodel.host).
             if split_host_time(self.tables, sk, st, best[0].bounds, best[0].recompute) >= 0.5 * best[1].time_s:
