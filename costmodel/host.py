@@ -46,12 +46,6 @@ class HostCosts:
     clipping, zeroing, logging). Charged to every rank in full, whatever share of the model
     it holds: the runs it is fitted on hold the whole model on one GPU."""
 
-    def time(self, kernels: float) -> float:
-        """Host seconds of a step that issues ``kernels`` forward and backward kernels."""
-        if not self.per_kernel_s and not self.per_step_s:
-            return 0.0
-        return kernels * self.per_kernel_s + self.per_step_s
-
 
 NO_HOST = HostCosts()
 
