@@ -78,13 +78,11 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("gpu_memory: no CUDA device", file=sys.stderr)
-        return 2
     from one_gpu import init_one_gpu
-    device, cluster = init_one_gpu(29561)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    started = init_one_gpu("gpu_memory", 29561, args.out)
+    if started is None:
+        return 2
+    device, cluster, out = started
     path = out / "memory_runs.csv"
     fields = ["device", "model", "seq_len", "tp", "pp", "dp", "micro_batch", "global_batch", "schedule",
               "recompute", "zero", "dtype", "stack", "status", "step_time_s", "peak_memory_GiB",

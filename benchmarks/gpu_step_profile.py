@@ -297,13 +297,11 @@ def main(argv=None) -> int:
         return 0
     if not args.out:
         p.error("--out is required (or --check CSV)")
-    if not torch.cuda.is_available():
-        print("gpu_step_profile: no CUDA device", file=sys.stderr)
-        return 2
     from one_gpu import init_one_gpu
-    device, cluster = init_one_gpu(29562)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    started = init_one_gpu("gpu_step_profile", 29562, args.out)
+    if started is None:
+        return 2
+    device, cluster, out = started
     rows, top = [], []
     for name, seq, mb, recompute in DEFAULT_PLANS:
         try:

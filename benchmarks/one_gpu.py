@@ -3,6 +3,8 @@ runtime's trainer wants one) and the catalog cluster of that GPU."""
 from __future__ import annotations
 
 import os
+import sys
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -17,12 +19,19 @@ def one_gpu_cluster(device_name: str) -> Cluster:
     return Cluster.homogeneous(family, 1, 1)
 
 
-def init_one_gpu(port: int) -> tuple[str, Cluster]:
-    """Start an NCCL group of one rank on GPU 0 (``port`` on loopback); returns the device's
-    name and a one-GPU cluster of its catalog family (H100, H200, else A100)."""
+def init_one_gpu(program: str, port: int, out: str) -> tuple[str, Cluster, Path] | None:
+    """Start an NCCL group of one rank on GPU 0 (``port`` on loopback) and make the output
+    directory ``out``; returns the device's name, a one-GPU cluster of its catalog family
+    (H100, H200, else A100) and the directory, or None (said on stderr, as ``program``)
+    where there is no CUDA device."""
+    if not torch.cuda.is_available():
+        print(f"{program}: no CUDA device", file=sys.stderr)
+        return None
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(port))
     torch.cuda.set_device(0)
     dist.init_process_group("nccl", rank=0, world_size=1)
     device = torch.cuda.get_device_name(0)
-    return device, one_gpu_cluster(device)
+    path = Path(out)
+    path.mkdir(parents=True, exist_ok=True)
+    return device, one_gpu_cluster(device), path
