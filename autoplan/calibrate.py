@@ -29,14 +29,15 @@ from pathlib import Path
 
 import numpy as np
 
+from autoplan.catalog import is_accelerator
 from autoplan.cluster import Cluster
 from autoplan.errors import ConfigError
 from autoplan.models.spec import ModelSpec
 from autoplan.plan import Plan
-from autoplan.stacks import Stack, get_stack
+from autoplan.stacks import DEFAULT_STACK, Stack, get_stack
 from autoplan.units import GiB
 from costmodel.calibration import Calibration, DeviceCalibration
-from costmodel.host import runs_asynchronously, with_host
+from costmodel.host import with_host
 
 MIN_RUNS = 2
 """Fewest measured runs with a step time a calibration is fitted from. With fewer than four,
@@ -78,7 +79,6 @@ def runs_from_records(paths, stack: str | None = None) -> list[MeasuredRun]:
     from autoplan.models.config import SwinConfig, TransformerConfig
     from autoplan.profiler.environment import catalog_device_for_gpu
     from autoplan.runtime.record import MEMORY_SOURCE_CUDA, load_record
-    from autoplan.stacks import DEFAULT_STACK, get_stack
 
     out = []
     for path in paths:
@@ -121,7 +121,6 @@ def runs_from_records(paths, stack: str | None = None) -> list[MeasuredRun]:
 
 def runs_from_csv(path, stack: str | None = None) -> list[MeasuredRun]:
     """Measured runs from a CSV (see the module docstring for its columns)."""
-    from autoplan.stacks import DEFAULT_STACK, get_stack
     path = Path(path)
     try:
         text = path.read_text(encoding="utf-8")
@@ -222,7 +221,7 @@ def _decompose(run: MeasuredRun) -> _Decomposed:
     from costmodel.estimate import EstimateOptions, host_time
     devices = {run.cluster.slots[r].device.name for g in run.plan.groups for r in g.ranks}
     device = sorted(devices)[0]
-    asynchronous = runs_asynchronously(device)
+    asynchronous = is_accelerator(device)
 
     def calibrated(scale: float, launch: float) -> float:
         cal = Calibration(stack=run.stack, devices={d: DeviceCalibration(scale, launch, 0.0) for d in devices})

@@ -52,6 +52,13 @@ class Link:
         return d
 
 
+def is_accelerator(device_name: str) -> bool:
+    """Whether a catalog device is an accelerator, not a CPU standing in for one (CI's gloo
+    runs): it has a driver context and its own memory, and runs kernels while its host goes
+    on (``costmodel.host``)."""
+    return not device_name.upper().startswith("CPU")
+
+
 @dataclass(frozen=True)
 class DeviceSpec:
     """One accelerator type."""

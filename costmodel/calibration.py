@@ -17,7 +17,7 @@ from pathlib import Path
 from autoplan.errors import ConfigError
 from autoplan.fields import FieldReader, load_json
 from autoplan.units import GiB
-from costmodel.host import runs_asynchronously
+from autoplan.catalog import is_accelerator
 
 SCHEMA_VERSION = 2
 """2: an accelerator's costs per kernel and per step are its host's, beside the device
@@ -114,7 +114,7 @@ class Calibration:
             raise ConfigError(r.path("devices"), "must name at least one device")
         for name in dev_r.data:
             d = dev_r.sub(name)
-            if version < 2 and runs_asynchronously(str(name)):
+            if version < 2 and is_accelerator(str(name)):
                 raise ConfigError(r.path("schema_version"), f"is {version}: its {name} costs per kernel and "
                                   "per step were fitted as added to the device's time, now the host's beside it",
                                   "recalibrate with `autoplan calibrate`")

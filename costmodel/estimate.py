@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+from autoplan.catalog import is_accelerator
 from autoplan.cluster import Cluster
 from autoplan.errors import ConfigError
 from autoplan.models.spec import ModelSpec
@@ -19,7 +20,7 @@ from costmodel.comm import collective_time, p2p_time
 from costmodel.compute import ProfileSource, layer_timing
 from costmodel.context import context_shard, stage_exchange
 from costmodel.efficiency import achieved_memory_bandwidth, default_efficiency
-from costmodel.host import host_costs, layer_host_kernels, pipeline_host_time, runs_asynchronously, with_host
+from costmodel.host import host_costs, layer_host_kernels, pipeline_host_time, with_host
 from costmodel.memory import (DEFAULT_MEMORY_MARGIN, GroupMemory, activation_bytes, group_memory,
                               model_state_bytes, optimizer_step_bytes, transient_bytes)
 from costmodel.redistribute import layout_comm
@@ -189,7 +190,7 @@ def device_timing_inputs(device, options: EstimateOptions):
     if cal is None:
         return None, 1.0, None
     eff = default_efficiency(device.name)
-    if cal.launch_s is not None and not runs_asynchronously(device.name):
+    if cal.launch_s is not None and not is_accelerator(device.name):
         eff = replace(eff, launch_s=cal.launch_s)
     return eff, cal.compute_scale, "calibrated"
 
@@ -375,7 +376,7 @@ def _optimizer_time(model: ModelSpec, cluster: Cluster, plan: Plan, g: int, stac
                for d in _group_devices(cluster, group.ranks))
     if calibration is not None:
         step += max((c.step_overhead_s or 0.0 for d in _group_devices(cluster, group.ranks)
-                     if (c := calibration.device(d.name)) is not None and not runs_asynchronously(d.name)),
+                     if (c := calibration.device(d.name)) is not None and not is_accelerator(d.name)),
                     default=0.0)
     gather = 0.0
     if plan.zero in (1, 2) and group.dp * group.cp > 1 and not stack.overlap_param_gather:
@@ -460,7 +461,7 @@ def estimate(model: ModelSpec, cluster: Cluster, plan: Plan, options: EstimateOp
         shards = group.dp * group.cp   # weights are sharded over data and context ranks
         states = model_state_bytes(layers, group.tp, shards, plan.zero, stack, plan.ep)
         transient = max(_transient(model, cluster, plan, s, stack, load) for s in stage_ids)
-        accelerator = any(not d.name.upper().startswith("CPU") for d in _group_devices(cluster, group.ranks))
+        accelerator = any(is_accelerator(d.name) for d in _group_devices(cluster, group.ranks))
         mem = group_memory(states, sim.peak_activation_bytes[g] * act_scale, transient * act_scale,
                            optimizer_step_bytes(layers, group.tp, shards, plan.zero, stack, plan.ep),
                            _communicators(plan, g), shards, stack, accelerator)

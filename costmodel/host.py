@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from autoplan.catalog import is_accelerator
 from autoplan.models.spec import LayerSpec
 
 HOST_OVERLAP_NORM = 8.0
@@ -27,12 +28,6 @@ where they are close). On the autoplan stack's fitting sweep
 ``python benchmarks/published/validate.py --fit``) the step-time error is 6.8% at 2, 5.7% at
 4, 5.2% at 8 and 5.0% for a hard maximum: flat from 8 up. 8 keeps some smoothing, as a step
 whose phases alternate between waiting on the host and on the device needs."""
-
-
-def runs_asynchronously(device_name: str) -> bool:
-    """Whether a device runs kernels while its host goes on (every accelerator; not a CPU
-    standing in for one)."""
-    return not device_name.upper().startswith("CPU")
 
 
 @dataclass(frozen=True)
@@ -55,7 +50,7 @@ def host_costs(device_name: str, stack, calibration=None) -> HostCosts:
     device when it has them (its ``launch_s`` and ``step_overhead_s`` are then the host's;
     either None keeps the stack's), else the stack's; none on a CPU (see the module
     docstring)."""
-    if not runs_asynchronously(device_name):
+    if not is_accelerator(device_name):
         return NO_HOST
     cal = calibration.device(device_name) if calibration is not None else None
     if cal is None:

@@ -16,6 +16,7 @@ from functools import cached_property
 
 import numpy as np
 
+from autoplan.catalog import is_accelerator
 from autoplan.cluster import Cluster
 from autoplan.models.spec import ModelSpec
 from autoplan.plan import DeviceGroup
@@ -26,7 +27,7 @@ from costmodel.compute import layer_timing
 from costmodel.context import context_shard, stage_exchange
 from costmodel.efficiency import achieved_memory_bandwidth
 from costmodel.estimate import EstimateOptions, device_timing_inputs
-from costmodel.host import HostCosts, host_costs, layer_host_kernels, runs_asynchronously
+from costmodel.host import HostCosts, host_costs, layer_host_kernels
 from costmodel.memory import activation_bytes, transient_bytes
 from costmodel.redistribute import layout_comm
 
@@ -335,7 +336,7 @@ class Tables:
         return self.cluster.groups[pool].device.memory_bytes * (1.0 - self.margin)
 
     def accelerator(self, pool: int) -> bool:
-        return not self.cluster.groups[pool].device.name.upper().startswith("CPU")
+        return is_accelerator(self.cluster.groups[pool].device.name)
 
     def fixed_bytes(self, pool: int, group: DeviceGroup | None = None, pp: int = 1, ep: int = 1) -> float:
         """Bytes outside states and the dynamic working set on a GPU of ``pool``: CUDA
@@ -505,7 +506,7 @@ class Tables:
         accelerator's host overhead runs beside it: ``host_costs``)."""
         cal = self.options.calibration
         name = self.cluster.groups[pool].device.name
-        dev = cal.device(name) if cal is not None and not runs_asynchronously(name) else None
+        dev = cal.device(name) if cal is not None and not is_accelerator(name) else None
         return (dev.step_overhead_s or 0.0) if dev is not None else 0.0
 
     def host_costs(self, pool: int) -> HostCosts:

@@ -11,8 +11,9 @@ from hypothesis import strategies as st
 
 import autoplan
 from autoplan.stacks import get_stack
+from autoplan.catalog import is_accelerator
 from costmodel.host import (HOST_OVERLAP_NORM, NO_HOST, HostCosts, device_budget, host_costs,
-                            layer_host_kernels, runs_asynchronously, with_host)
+                            layer_host_kernels, with_host)
 from costmodel.calibration import Calibration, DeviceCalibration
 
 H100 = autoplan.Cluster.homogeneous("H100", 1, 1)
@@ -61,7 +62,7 @@ def test_step_grows_with_either_side_and_stays_near_the_larger(device, host, mor
     ("H100-SXM5-80GB", True), ("A100-SXM4-80GB", True), ("T4", True), ("CPU", False), ("cpu-gloo", False),
 ], ids=["h100", "a100", "t4", "cpu", "cpu-lowercase"])
 def test_which_devices_run_beside_their_host(name, asynchronous):
-    assert runs_asynchronously(name) is asynchronous
+    assert is_accelerator(name) is asynchronous
 
 
 def test_host_costs_come_from_a_calibration_else_the_stack_and_never_on_a_cpu():

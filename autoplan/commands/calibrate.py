@@ -24,7 +24,7 @@ def run(args) -> int:
     from autoplan.calibrate import calibrate, runs_from_csv, runs_from_records
     from autoplan.commands._common import table
     from autoplan.errors import ConfigError
-    from costmodel.host import runs_asynchronously
+    from autoplan.catalog import is_accelerator
 
     out = Path(args.out)
     if out.exists() and not args.force:
@@ -54,7 +54,7 @@ def run(args) -> int:
     print(table(body, ["run", "plan", "", "measured s", "default s", "held-out s", "measured GiB", "held-out GiB"]))
     print()
     for name, d in cal.devices.items():
-        where = "host, beside the device" if runs_asynchronously(name) else "added to compute"
+        where = "host, beside the device" if is_accelerator(name) else "added to compute"
         print(f"{name}: compute x{d.compute_scale:.3g}, {d.launch_s * 1e6:.3g} us per kernel and "
               f"{(d.step_overhead_s or 0.0) * 1e3:.3g} ms per step ({where})")
     if cal.loo_memory_mape is not None:

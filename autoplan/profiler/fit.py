@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from scipy.optimize import nnls
 
-from autoplan.catalog import DeviceSpec
+from autoplan.catalog import DeviceSpec, is_accelerator
 from autoplan.models.spec import LayerSpec
 from costmodel.compute import roofline_timing
 from costmodel.efficiency import Efficiency, default_efficiency
@@ -240,7 +240,7 @@ def calibrates(profiled: DeviceSpec, target: DeviceSpec) -> bool:
     """Whether a profile of ``profiled`` says anything about ``target``: same vendor (named)
     and same class (CPU or GPU)."""
     def cls(d: DeviceSpec) -> tuple[str, bool]:
-        return d.vendor.lower(), d.name.upper().startswith("CPU")
+        return d.vendor.lower(), not is_accelerator(d.name)
     return bool(profiled.vendor) and cls(profiled) == cls(target)
 
 
