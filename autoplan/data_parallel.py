@@ -20,6 +20,13 @@ class DataParallelChoice:
     note: str
     """One line for logs and the run record: what the plan's zero stage became."""
 
+    @property
+    def under_autocast(self) -> bool:
+        """The plan's layers compute under autocast on fp32 weights (no wrapper, or DDP); the
+        FSDP-family wrappers compute on half-precision weight copies instead
+        (MixedPrecisionPolicy)."""
+        return self.wrapper in ("none", "ddp")
+
 
 def data_parallel_choice(dp: int, zero: int, pp: int, tp: int = 1, schedule: str = "1f1b",
                          ep: int = 1) -> DataParallelChoice:
@@ -59,4 +66,4 @@ def runs_under_autocast(dp: int, zero: int, pp: int, tp: int = 1, schedule: str 
     """Whether the runtime computes a mixed-precision plan's layers under autocast (fp32
     weights cast every forward): without data parallelism or with DDP. The FSDP-family
     wrappers compute on bf16 copies of the weights instead (MixedPrecisionPolicy)."""
-    return data_parallel_choice(dp, zero, pp, tp, schedule, ep).wrapper in ("none", "ddp")
+    return data_parallel_choice(dp, zero, pp, tp, schedule, ep).under_autocast

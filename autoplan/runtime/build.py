@@ -354,7 +354,7 @@ def apply_data_parallel(stage: StageModule, dp_mesh: DeviceMesh, choice: DataPar
     :func:`wrap_ddp`). With ``expert_dp_mesh``, routed experts are wrapped first, over the
     ranks holding the same experts (see :mod:`autoplan.runtime.experts` for how their
     gradients are averaged)."""
-    if choice.wrapper in ("none", "ddp"):
+    if choice.under_autocast:   # (no FSDP-family wrapper)
         return
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     mp = mp_policy or MixedPrecisionPolicy()

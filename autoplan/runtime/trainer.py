@@ -246,7 +246,7 @@ class Trainer:
         # ZeRO shards states, over both (Megatron-Core's data-parallel-with-context group).
         self.dp_choice = data_parallel_choice(lay.dp * lay.cp, plan.zero, lay.pp, lay.tp, plan.schedule, plan.ep)
         mp_policy, autocast = None, self.compute_dtype
-        if self.compute_dtype is not None and self.dp_choice.wrapper in ("replicate", "fully_shard"):
+        if self.compute_dtype is not None and not self.dp_choice.under_autocast:
             from torch.distributed.fsdp import MixedPrecisionPolicy
             mp_policy = MixedPrecisionPolicy(param_dtype=self.compute_dtype, reduce_dtype=torch.float32)
             autocast = None
