@@ -62,7 +62,8 @@ def gemm_time(device: DeviceSpec, eff: Efficiency, m: float, n: float, k: float,
         return 0.0
     flops = 2.0 * m * n * k * count
     util, split = 1.0, 1.0
-    if not aligned and eff.unaligned_matmul < 1.0:
+    fallback = not aligned and eff.unaligned_matmul < 1.0
+    if fallback:
         util = eff.unaligned_matmul
     elif device.compute_units and eff.tile > 1:
         tm, tn = math.ceil(m / eff.tile), math.ceil(n / eff.tile)
@@ -73,7 +74,7 @@ def gemm_time(device: DeviceSpec, eff: Efficiency, m: float, n: float, k: float,
         waves = math.ceil(work / device.compute_units)
         util = (work / (waves * device.compute_units)) * (m * n) / (tm * tn * eff.tile ** 2)
     k_slice = k / split
-    k_eff = 1.0 if not aligned and eff.unaligned_matmul < 1.0 else k_slice / (k_slice + eff.k_half)
+    k_eff = 1.0 if fallback else k_slice / (k_slice + eff.k_half)
     t_compute = flops / (device.peak(dtype) * eff.matmul * util * k_eff)
     elem = DTYPE_BYTES[dtype]
     out = 2 if dtype == "fp8" else elem   # (fp8 GEMMs write their output in bf16)
@@ -196,7 +197,7 @@ def roofline_timing(device: DeviceSpec, eff: Efficiency, layer: LayerSpec, micro
     other = attn_b + mem_b + launch_b
     bw = device.memory_bandwidth * eff.memory
     fp8 = _fp8_layer(layer, fp8_cast)
-    scale = _weight_traffic(layer, tp, ep, traffic)[0]
+    scale = traffic[0] if traffic is not None else 1.0   # (the activation traffic scale)
     core = (_gemms_time(device, eff, layer.gemms_fwd, micro_batch, tp, dtype, lambda g: g.in_core, fp8=fp8) + attn_f
             + layer.core_memory_bytes_fwd.at(tp, sequence_parallel) * micro_batch * scale / bw)
     early, pre = None, layer.recompute_prefix
