@@ -37,7 +37,7 @@ from autoplan.plan import Plan
 from autoplan.stacks import DEFAULT_STACK, Stack, get_stack
 from autoplan.units import GiB
 from costmodel.calibration import Calibration, DeviceCalibration
-from costmodel.host import with_host
+from costmodel.host import HOST_OVERLAP_NORM, with_host
 
 MIN_RUNS = 2
 """Fewest measured runs with a step time a calibration is fitted from. With fewer than four,
@@ -242,15 +242,17 @@ def _decompose(run: MeasuredRun) -> _Decomposed:
                        dynamic=g.activations + g.transient, fixed=g.buffers)
 
 
-def _predict_time(d: _Decomposed, scale: float, per_kernel: float, per_step: float) -> float:
+def _predict_time(d: _Decomposed, scale: float, per_kernel: float, per_step: float,
+                  norm: float = HOST_OVERLAP_NORM) -> float:
     """A run's step time under a compute scale and the costs per kernel and per step: on a
     CPU they add to its compute; an accelerator's host runs beside its device."""
     if d.asynchronous:
-        return with_host(scale * d.compute + d.other, d.kernels * per_kernel + per_step)
+        return with_host(scale * d.compute + d.other, d.kernels * per_kernel + per_step, norm)
     return scale * (d.compute + d.kernels * per_kernel) + d.other + per_step
 
 
-def _fit_time(ds: list[_Decomposed], fit_scale: bool = True) -> tuple[float, float, float]:
+def _fit_time(ds: list[_Decomposed], fit_scale: bool = True,
+              norm: float = HOST_OVERLAP_NORM) -> tuple[float, float, float]:
     """(compute scale, seconds per kernel, seconds per step) minimising squared log error;
     with fewer than FULL_FIT_RUNS runs the cost per kernel stays at its default
     (``_default_per_kernel``); ``fit_scale=False`` holds the compute scale at 1."""
@@ -267,7 +269,7 @@ def _fit_time(ds: list[_Decomposed], fit_scale: bool = True) -> tuple[float, flo
 
     def resid(x):
         scale, per_kernel, per_step = unpack(x)
-        return np.log(np.array([_predict_time(d, scale, per_kernel, per_step) for d in ds]) / meas)
+        return np.log(np.array([_predict_time(d, scale, per_kernel, per_step, norm) for d in ds]) / meas)
 
     lo = {"scale": -5.0, "step_ms": 0.0, "kernel_us": 0.0}
     hi = {"scale": 5.0, "step_ms": 1e5, "kernel_us": 1e5}
@@ -282,15 +284,17 @@ def _fit_time(ds: list[_Decomposed], fit_scale: bool = True) -> tuple[float, flo
     return float(scale), float(per_kernel), float(per_step)
 
 
-def fit_host(runs: list[MeasuredRun]) -> tuple[float, float, float]:
+def fit_host(runs: list[MeasuredRun], norm: float = HOST_OVERLAP_NORM) -> tuple[float, float, float]:
     """(seconds per kernel, seconds per step, mean |relative error|) of a stack's host on
     accelerators, fitted on measured runs with the compute model as it is (scale 1): how a
-    stack's ``host_s_per_kernel`` and ``host_s_per_step`` are fitted."""
+    stack's ``host_s_per_kernel`` and ``host_s_per_step`` are fitted (``norm``: another way
+    of combining host and device time, to compare)."""
     ds = [_decompose(r) for r in runs if r.ran and r.step_time_s]
     if len(ds) < FULL_FIT_RUNS or not all(d.asynchronous for d in ds):
         raise ConfigError("runs", f"{len(ds)} timed accelerator runs; fitting a host needs {FULL_FIT_RUNS}")
-    _, per_kernel, per_step = _fit_time(ds, fit_scale=False)
-    error = float(np.mean([abs(d.run.step_time_s / _predict_time(d, 1.0, per_kernel, per_step) - 1) for d in ds]))
+    _, per_kernel, per_step = _fit_time(ds, fit_scale=False, norm=norm)
+    error = float(np.mean([abs(d.run.step_time_s / _predict_time(d, 1.0, per_kernel, per_step, norm) - 1)
+                           for d in ds]))
     return per_kernel, per_step, error
 
 

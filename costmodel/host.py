@@ -102,10 +102,11 @@ def device_budget(step_s: float, host_s: float) -> float:
     return step_s * (1.0 - (host_s / step_s) ** p) ** (1.0 / p)
 
 
-def with_host(device_s: float, host_s: float) -> float:
-    """A step's seconds from its device time and its host time (module docstring)."""
+def with_host(device_s: float, host_s: float, norm: float = HOST_OVERLAP_NORM) -> float:
+    """A step's seconds from its device time and its host time (module docstring; ``norm``
+    other than ``HOST_OVERLAP_NORM`` only to show how that choice was made)."""
     if host_s <= 0.0 or device_s == float("inf"):
         return device_s
-    p = HOST_OVERLAP_NORM
+    p = norm
     top = max(device_s, host_s)
     return top * ((device_s / top) ** p + (host_s / top) ** p) ** (1.0 / p)

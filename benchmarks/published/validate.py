@@ -564,19 +564,14 @@ def fit_autoplan_host() -> tuple[float, float]:
     """Fit the autoplan stack's host costs per kernel and per step to the step times of the
     fitting sweeps (compute model as it is); rewrites the stack file. Prints the fit at each
     norm of ``HOST_OVERLAP_NORM``'s grid, which is how that constant was chosen."""
-    import costmodel.host as host
     from autoplan.calibrate import fit_host, runs_from_csv
+    from costmodel.host import HOST_OVERLAP_NORM as kept
     paths = [RESULTS / "gpu" / name / "memory_runs.csv" for name in MEASURED_FIT]
     runs = [r for p in paths if p.exists() for r in runs_from_csv(p)]
-    kept = host.HOST_OVERLAP_NORM
-    try:
-        for norm in HOST_NORMS:
-            host.HOST_OVERLAP_NORM = norm
-            per_kernel, per_step, error = fit_host(runs)
-            print(f"  autoplan host at norm {norm:g}: {per_kernel * 1e6:.1f} us per kernel, "
-                  f"{per_step * 1e3:.0f} ms per step, step-time error {error:.1%}")
-    finally:
-        host.HOST_OVERLAP_NORM = kept
+    for norm in HOST_NORMS:
+        per_kernel, per_step, error = fit_host(runs, norm)
+        print(f"  autoplan host at norm {norm:g}: {per_kernel * 1e6:.1f} us per kernel, "
+              f"{per_step * 1e3:.0f} ms per step, step-time error {error:.1%}")
     per_kernel, per_step, error = fit_host(runs)
     why = ("fitted jointly with {other} (least squares on log step time, the compute model as it is, "
            f"costmodel.host's norm {kept:g}) to the Llama-3.2-1B sweep benchmarks/results/gpu/h100/memory_runs.csv "
