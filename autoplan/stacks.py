@@ -257,11 +257,22 @@ class Stack:
         """``traffic`` where it applies to a plan with these degrees (``dp``: data-parallel
         shards, context ranks included) computing in ``dtype``, else None. Autocast traffic
         needs a half-precision plan: an fp32 plan runs its weights uncast."""
-        if self.traffic_where == "autocast" and self.traffic is not None:
-            from autoplan.data_parallel import runs_under_autocast
-            if dtype not in ("bf16", "fp16") or not runs_under_autocast(dp, zero, pp, tp, schedule, ep):
-                return None
+        if self.traffic_where == "autocast" and not self.computes_under_autocast(dp, zero, pp, tp, ep, schedule,
+                                                                                 dtype):
+            return None
         return self.traffic
+
+    def computes_under_autocast(self, dp: int, zero: int, pp: int, tp: int = 1, ep: int = 1,
+                                schedule: str = "1f1b", dtype: str = "bf16") -> bool:
+        """Whether a plan with these degrees computes its layers under autocast on fp32
+        weights on this stack: autoplan's runtime (the stack whose traffic applies where it
+        autocasts, ``traffic_where`` 'autocast') does for a half-precision plan without an
+        FSDP-family wrapper (``autoplan.data_parallel``). Its traffic and its host's kernel
+        count (``costmodel.host.layer_host_kernels``) follow."""
+        if self.traffic_where != "autocast" or dtype not in ("bf16", "fp16"):
+            return False
+        from autoplan.data_parallel import runs_under_autocast
+        return runs_under_autocast(dp, zero, pp, tp, schedule, ep)
 
     @property
     def least_traffic(self) -> tuple[float, float, float] | None:

@@ -393,7 +393,9 @@ def host_time(model: ModelSpec, cluster: Cluster, plan: Plan, options: EstimateO
     per_micro_batch, per_step = [], []
     for g, group in enumerate(plan.groups):
         costs = [host_costs(d.name, stack, options.calibration) for d in _group_devices(cluster, group.ranks)]
-        kernels = sum(layer_host_kernels(l, plan.stages[s].recompute, stack)
+        autocast = stack.computes_under_autocast(group.dp * group.cp, plan.zero, plan.pp, group.tp, plan.ep,
+                                                 plan.schedule, plan.dtype)
+        kernels = sum(layer_host_kernels(l, plan.stages[s].recompute, stack, autocast)
                       for s in plan.stages_of_group(g) for l in model.layers[plan.stages[s].start:plan.stages[s].end])
         per_micro_batch.append(max(c.per_kernel_s for c in costs) * kernels)
         per_step.append(max(c.per_step_s for c in costs))

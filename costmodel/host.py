@@ -60,19 +60,28 @@ def host_costs(device_name: str, stack, calibration=None) -> HostCosts:
     return HostCosts(per_kernel, per_step)
 
 
-def layer_host_kernels(layer: LayerSpec, recompute: str, stack) -> float:
+def layer_host_kernels(layer: LayerSpec, recompute: str, stack, autocast: bool = False) -> float:
     """Kernels the host issues for one micro-batch of ``layer``: its forward, its backward,
     and what recomputation re-runs (full: the forward, or with an early-stopping checkpoint
     its prefix up to the last save plus the checkpoint's pack and unpack hook per saved
     tensor, as ``costmodel.compute.roofline_timing`` charges them; selective: the attention
-    core, a few kernels, not counted)."""
-    kernels = layer.kernels_fwd + layer.kernels_bwd
+    core, a few kernels, not counted). ``autocast``: the layer runs under autocast on fp32
+    weights (``Stack.computes_under_autocast``), which issues a cast per weight and per
+    activation changing precision, and their backward: the counts measured so
+    (``LayerSpec.autocast_kernels_fwd``) where the spec has them. A recomputed forward
+    opens a new autocast region, so it casts the weights again."""
+    fwd, bwd = layer.kernels_fwd, layer.kernels_bwd
+    pre = layer.recompute_prefix
+    prefix = pre.kernels if pre is not None else 0
+    if autocast and layer.autocast_kernels_fwd:
+        fwd, bwd = layer.autocast_kernels_fwd, layer.autocast_kernels_bwd
+        prefix = pre.autocast_kernels if pre is not None and pre.autocast_kernels else prefix
+    kernels = fwd + bwd
     if recompute == "full":
-        pre = layer.recompute_prefix
         if stack.recompute_early_stop and pre is not None:
-            kernels += pre.kernels + 2 * pre.saved_tensors
+            kernels += prefix + 2 * pre.saved_tensors
         else:
-            kernels += layer.kernels_fwd
+            kernels += fwd
     return kernels
 
 

@@ -632,17 +632,19 @@ class Bounds:
             costs = [self.tables.host_costs(k.pool) for k in set(sk.kinds)]
             hit = self._host[key] = (
                 max(c.per_step_s for c in costs), min(c.per_step_s for c in costs),
-                min(c.per_kernel_s for c in costs) * self.model_kernels("none") / sk.pp,
-                max(c.per_kernel_s for c in costs) * self.model_kernels("full"), sk.pp)
+                min(c.per_kernel_s for c in costs) * min(self.model_kernels("none", a) for a in (False, True)) / sk.pp,
+                max(c.per_kernel_s for c in costs) * max(self.model_kernels("full", a) for a in (False, True)),
+                sk.pp)
         return hit
 
-    def model_kernels(self, recompute: str) -> float:
-        """Kernels the whole model's units issue per micro-batch under ``recompute``."""
-        hit = self._model_kernels.get(recompute)
+    def model_kernels(self, recompute: str, autocast: bool = False) -> float:
+        """Kernels the whole model's units issue per micro-batch under ``recompute``, under
+        autocast or not (``costmodel.host.layer_host_kernels``)."""
+        hit = self._model_kernels.get((recompute, autocast))
         if hit is None:
             stack = self.tables.stack
-            hit = self._model_kernels[recompute] = sum(layer_host_kernels(l, recompute, stack)
-                                                       for l in self.tables.model.layers)
+            hit = self._model_kernels[(recompute, autocast)] = sum(
+                layer_host_kernels(l, recompute, stack, autocast) for l in self.tables.model.layers)
         return hit
 
     def _period(self, distinct: tuple, P: int, b: int, sp: bool) -> float:

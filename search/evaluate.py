@@ -455,7 +455,8 @@ def split_host_time(tables: Tables, sk: Skeleton, st: Setting, bounds: Sequence[
     """:func:`host_time` of a split, from the tables alone (no stage figures needed)."""
     kernels = []
     for j, ((a, b), mode) in enumerate(zip(bounds, recompute)):
-        cum = tables.table(sk.kinds[j % sk.pp], st.micro_batch, st.sequence_parallel).scalars["cum_kernels"]
+        cum = tables.table(sk.kinds[j % sk.pp], st.micro_batch, st.sequence_parallel,
+                           (sk, st, j % sk.pp)).scalars["cum_kernels"]
         q = RECOMPUTES.index(mode)
         kernels.append(cum[q][b] - cum[q][a])
     return _host_time(tables, sk, st, kernels)

@@ -177,6 +177,7 @@ class Tables:
         self._opt_rate: dict = {}
         self._zero3_rates: dict = {}
         self._traffic: dict = {}
+        self._autocast: dict = {}
         self._host_costs: dict = {}
 
     # --------------------------------------------------------------- layers
@@ -187,26 +188,41 @@ class Tables:
         (``Stack.traffic_for``). Memory is the same either way."""
         sp = sequence_parallel and kind.tp > 1
         traffic = self.stack.least_traffic if exact_for is None else self.traffic(*exact_for)
-        key = (kind, micro_batch, sp, traffic)
+        autocast = exact_for is not None and self.autocast(*exact_for)
+        key = (kind, micro_batch, sp, traffic, autocast)
         t = self._tables.get(key)
         if t is None:
-            t = self._build(kind, micro_batch, sp, traffic)
+            t = self._build(kind, micro_batch, sp, traffic, autocast)
             self._tables[key] = t
         return t
+
+    def _degrees(self, sk, st, g: int) -> tuple:
+        group = sk.groups[g]
+        return (group.dp * group.cp, st.zero, sk.pp, sk.kinds[g].tp, sk.ep, st.schedule, self.dtype)
 
     def traffic(self, sk, st, g: int) -> tuple | None:
         """The stack's own traffic as group ``g`` of skeleton ``sk`` under setting ``st``
         pays it (``Stack.traffic_for``)."""
         if self.stack.least_traffic == self.stack.traffic:
             return self.stack.traffic         # (the same for every plan: most stacks)
-        group = sk.groups[g]
-        key = (group.dp * group.cp, st.zero, sk.pp, sk.kinds[g].tp, sk.ep, st.schedule, self.dtype)
+        key = self._degrees(sk, st, g)
         hit = self._traffic.get(key, False)
         if hit is False:
             hit = self._traffic[key] = self.stack.traffic_for(*key)
         return hit
 
-    def _build(self, kind: Kind, b: int, sp: bool, traffic: tuple | None) -> LayerTable:
+    def autocast(self, sk, st, g: int) -> bool:
+        """Whether group ``g`` of skeleton ``sk`` under setting ``st`` computes under autocast
+        (``Stack.computes_under_autocast``): its host issues the casts too."""
+        if self.stack.traffic_where != "autocast":
+            return False                      # (no plan does: most stacks)
+        key = self._degrees(sk, st, g)
+        hit = self._autocast.get(key)
+        if hit is None:
+            hit = self._autocast[key] = self.stack.computes_under_autocast(*key)
+        return hit
+
+    def _build(self, kind: Kind, b: int, sp: bool, traffic: tuple | None, autocast: bool = False) -> LayerTable:
         self.built += 1
         model, dtype, tp, cp, ep = self.model, self.dtype, kind.tp, kind.cp, kind.ep
         dev = self.cluster.groups[kind.pool].device
@@ -274,7 +290,7 @@ class Tables:
                                 + buffers for m in RECOMPUTES)
                 src = label if label and t.source == "roofline" else t.source
                 held, whole = experts.state_params([layer], tp, ep)
-                kern_q = tuple(layer_host_kernels(layer, m, stack) for m in RECOMPUTES)
+                kern_q = tuple(layer_host_kernels(layer, m, stack, autocast) for m in RECOMPUTES)
                 row = (f + tp_comm + cp_f + ep_comm, tp_comm, bi_q, bww, held,
                        held if layer.kind != "embedding" else 0.0,
                        b * layer.output_bytes, act_q, trans_q, src, whole, experts.expert_params([layer], tp) / ep,

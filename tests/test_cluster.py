@@ -9,7 +9,8 @@ import pytest
 import autoplan
 from autoplan.units import GB, GiB
 
-EXAMPLES = sorted(Path("examples/clusters").glob("*.json"))
+EXAMPLES = sorted((Path(__file__).resolve().parents[1] / "examples/clusters").glob("*.json"))
+assert EXAMPLES, "no example clusters found"
 
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=[p.stem for p in EXAMPLES])

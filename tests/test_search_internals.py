@@ -790,7 +790,11 @@ def test_progress_bar_ticks_during_a_long_step():
     stream = Tty()
     bar = P.Progress(True, stream=stream)
     bar.phase("placement", 3)
-    time.sleep(4 * P.TICK_S)          # no step() meanwhile
+    # No step() meanwhile. Waits for the redraws with room to spare (a busy machine delays
+    # the ticker thread; it must not make the test fail).
+    deadline = time.monotonic() + 40 * P.TICK_S
+    while stream.getvalue().count("\rsearch placement") < 3 and time.monotonic() < deadline:
+        time.sleep(P.TICK_S / 5)
     draws = stream.getvalue().count("\rsearch placement")
     bar.close()
     assert draws >= 3, stream.getvalue()

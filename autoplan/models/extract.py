@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -27,6 +27,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode, flop_registry
 
 from autoplan.errors import ConfigError
+from autoplan.models.autocast import AutocastEmulation
 from autoplan.models.spec import ActivationBytes, ExpertSpec, Gemm, LayerSpec, ModelSpec, RecomputePrefix, Split
 
 _aten = torch.ops.aten
@@ -512,8 +513,10 @@ class _SavedBytes:
         return t
 
 
-def _measure(unit: nn.Module, x: torch.Tensor, loss=None) -> _Measurement:
-    """Run one unit forward and backward on meta and record what it costs."""
+def _measure(unit: nn.Module, x: torch.Tensor, loss=None, autocast: bool = False) -> _Measurement:
+    """Run one unit forward and backward on meta and record what it costs; ``autocast``:
+    with the forward (and loss) in an autocast region (:mod:`autoplan.models.autocast`),
+    as autoplan's runtime runs a unit on fp32 weights."""
     params = float(sum(p.numel() for p in unit.parameters()))
     param_storages = {p.untyped_storage()._cdata for p in unit.parameters()}
     xs = tuple(t.detach().requires_grad_(True) if t.is_floating_point() else t
@@ -522,7 +525,7 @@ def _measure(unit: nn.Module, x: torch.Tensor, loss=None) -> _Measurement:
     saved = _SavedBytes(param_storages, census_f.census)
     nodes = _ExpertNodes()
     with _flag_cores(unit, [saved, census_f]), _flag_experts(unit, [saved, census_f], nodes):
-        with FlopCounterMode(display=False) as fc_f:
+        with FlopCounterMode(display=False) as fc_f, (AutocastEmulation() if autocast else nullcontext()):
             with census_f, torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t):
                 out = unit(*xs)
                 scalar = loss(out) if loss is not None else out.float().sum()
@@ -542,13 +545,13 @@ def _measure(unit: nn.Module, x: torch.Tensor, loss=None) -> _Measurement:
         last_save=saved.last_save, saved_tensors=saved.packs)
 
 
-def _measure_last(unit: nn.Module, x: torch.Tensor, loss) -> _Measurement:
+def _measure_last(unit: nn.Module, x: torch.Tensor, loss, autocast: bool = False) -> _Measurement:
     """The last unit with its loss: kernels, FLOPs and traffic include the loss, but the
     saved bytes are the unit's own and the output is the logits. What the loss keeps (an
     fp32 softmax, a fused kernel's statistics, ...) depends on the training stack, which
     the cost model adds per logit (``autoplan.stacks.Stack.loss_saved_bytes_per_logit``)."""
-    with_loss = _measure(unit, x, loss=loss)
-    own = _measure(unit, x)
+    with_loss = _measure(unit, x, loss=loss, autocast=autocast)
+    own = _measure(unit, x, autocast=autocast)
     return dataclasses.replace(with_loss, saved_bytes=own.saved_bytes, core_saved_bytes=own.core_saved_bytes,
                                output_bytes=own.output_bytes, last_save=own.last_save,
                                saved_tensors=own.saved_tensors)
@@ -600,7 +603,7 @@ def _tp_allreduces(unit: nn.Module) -> int:
 
 def _layer_spec(name: str, unit: nn.Module, base: _Measurement, wide: _Measurement | None,
                 batch2: _Measurement, causal: bool, sharded: bool, kind: str | None = None,
-                capacity_factor: float | None = None) -> LayerSpec:
+                capacity_factor: float | None = None, autocast: _Measurement | None = None) -> LayerSpec:
     def sp(attr_base, attr_wide):
         return _split(attr_base, attr_wide) if wide is not None else Split(replicated=attr_base)
 
@@ -628,18 +631,21 @@ def _layer_spec(name: str, unit: nn.Module, base: _Measurement, wide: _Measureme
         memory_bytes_bwd=sp(base.bwd.memory_bytes, w.bwd.memory_bytes),
         core_memory_bytes_fwd=sp(base.fwd.core_memory_bytes, w.fwd.core_memory_bytes),
         kernels_fwd=base.fwd.kernels, kernels_bwd=base.bwd.kernels,
+        autocast_kernels_fwd=autocast.fwd.kernels if autocast else 0,
+        autocast_kernels_bwd=autocast.bwd.kernels if autocast else 0,
         activation_bytes=ActivationBytes(none=none, selective=selective, full=full),
         output_bytes=base.output_bytes,
         tp_allreduces_fwd=_tp_allreduces(unit) if sharded else 0,
-        causal=causal, experts=experts, recompute_prefix=_recompute_prefix(base, w))
+        causal=causal, experts=experts, recompute_prefix=_recompute_prefix(base, w, autocast))
 
 
-def _recompute_prefix(base: _Measurement, wide: _Measurement) -> RecomputePrefix:
+def _recompute_prefix(base: _Measurement, wide: _Measurement, autocast: _Measurement | None = None) -> RecomputePrefix:
     gemms, attention, moved, kernels = base.last_save
     return RecomputePrefix(
         gemms=gemms, attention_share=attention / base.fwd.attention_flops if base.fwd.attention_flops else 0.0,
         memory_bytes=_split(moved, wide.last_save[2]) if wide is not base else Split(replicated=moved),
-        kernels=kernels, saved_tensors=base.saved_tensors)
+        kernels=kernels, saved_tensors=base.saved_tensors,
+        autocast_kernels=autocast.last_save[3] if autocast else 0)
 
 
 def _swap(unit: nn.Module, name: str, module: nn.Module) -> None:
@@ -713,18 +719,23 @@ def spec_from_config(cfg, dtype: str = "bf16") -> ModelSpec:
     probe_cfg = dataclasses.replace(cfg, layers=1 + dense, **(
         dict(dense_layers=dense, capacity_factor=1.0) if moe else {})) if uniform else cfg
 
-    def units_and_inputs(c, batch):
+    def units_and_inputs(c, batch, dtype):
         with torch.device("meta"):
-            model = _prepare(build_model(c), torch_dtype, flash, causal, c)
+            model = _prepare(build_model(c), dtype, flash, causal, c)
             inputs, targets = example_inputs(c, batch, device="meta")
         if inputs.is_floating_point():
-            inputs = inputs.to(torch_dtype)
+            inputs = inputs.to(dtype)
         return model, inputs, targets
 
+    # The "autocast" run counts the kernels of fp32 weights under autocast (the casts
+    # included), as autoplan's runtime issues them (LayerSpec.autocast_kernels_fwd); a
+    # half-precision spec only.
     runs = {}
     for label, c, batch in (("base", probe_cfg, 1), ("batch2", probe_cfg, 2)) + (
-            (("wide", probe_cfg.with_shard(2), 1),) if shardable else ()):
-        model, x, targets = units_and_inputs(c, batch)
+            (("wide", probe_cfg.with_shard(2), 1),) if shardable else ()) + (
+            (("autocast", probe_cfg, 1),) if dtype in ("bf16", "fp16") else ()):
+        autocast = label == "autocast"
+        model, x, targets = units_and_inputs(c, batch, torch.float32 if autocast else torch_dtype)
         results, cache = [], {}
         n = len(model.layers)
         for i, unit in enumerate(model.layers):
@@ -733,9 +744,9 @@ def spec_from_config(cfg, dtype: str = "bf16") -> ModelSpec:
             if sig in cache and not last:
                 m = cache[sig]
             elif last:
-                m = _measure_last(unit, x, lambda o, t=targets: loss_fn(o, t))
+                m = _measure_last(unit, x, lambda o, t=targets: loss_fn(o, t), autocast=autocast)
             else:
-                m = cache[sig] = _measure(unit, x)
+                m = cache[sig] = _measure(unit, x, autocast=autocast)
             results.append((unit, m))
             if not last:
                 x = m.output
@@ -747,7 +758,8 @@ def spec_from_config(cfg, dtype: str = "bf16") -> ModelSpec:
         wide = runs["wide"][i][1] if shardable else None
         kind = unit_kind(unit)
         layers.append(_layer_spec(kind, unit, m, wide, runs["batch2"][i][1], causal, shardable,
-                                  capacity_factor=getattr(cfg, "capacity_factor", None)))
+                                  capacity_factor=getattr(cfg, "capacity_factor", None),
+                                  autocast=runs["autocast"][i][1] if "autocast" in runs else None))
     if uniform:
         emb, head = layers[0], layers[-1]
         blocks = [layers[1]] * (cfg.dense_layers if dense else 0)

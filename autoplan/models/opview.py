@@ -331,6 +331,8 @@ def coshard_spec(layer: LayerSpec, k: int) -> LayerSpec:
         attention_flops_bwd=layer.attention_flops_bwd + layer.attention_flops_fwd,
         memory_bytes_bwd=layer.memory_bytes_bwd + layer.memory_bytes_fwd,
         kernels_fwd=layer.kernels_fwd * k, kernels_bwd=(layer.kernels_bwd + layer.kernels_fwd) * k,
+        autocast_kernels_fwd=layer.autocast_kernels_fwd * k,
+        autocast_kernels_bwd=(layer.autocast_kernels_bwd + layer.autocast_kernels_fwd) * k,
         activation_bytes=ActivationBytes(none=keep, selective=keep, full=keep),
         transient_bytes=layer.activation_bytes.none.scaled(1.0 / k),
         # Its collectives run once per chunk on 1/k of the data (the same volume, charged
@@ -351,6 +353,11 @@ def _merge(host: LayerSpec, extra: LayerSpec) -> LayerSpec:
         memory_bytes_fwd=host.memory_bytes_fwd + extra.memory_bytes_fwd,
         memory_bytes_bwd=host.memory_bytes_bwd + extra.memory_bytes_bwd,
         kernels_fwd=host.kernels_fwd + extra.kernels_fwd, kernels_bwd=host.kernels_bwd + extra.kernels_bwd,
+        # Under autocast the merged unit is measured only if both parts are (0: unmeasured).
+        autocast_kernels_fwd=(host.autocast_kernels_fwd + extra.autocast_kernels_fwd
+                              if host.autocast_kernels_fwd and extra.autocast_kernels_fwd else 0),
+        autocast_kernels_bwd=(host.autocast_kernels_bwd + extra.autocast_kernels_bwd
+                              if host.autocast_kernels_fwd and extra.autocast_kernels_fwd else 0),
         tp_collectives=host.tp_collectives + extra.tp_collectives,
         # An interlaced share's activations live only between its own forward and backward,
         # which run back to back: a temporary of the host, not an activation in flight.

@@ -129,6 +129,9 @@ class RecomputePrefix:
     saved_tensors: int = 0
     """Tensors autograd saves in the unit's forward (parameters included): each passes the
     checkpoint's pack hook in the forward and its unpack hook in the backward."""
+    autocast_kernels: int = 0
+    """Kernels it launches under autocast on fp32 weights (``LayerSpec.autocast_kernels_fwd``);
+    0: not measured."""
 
 
 @dataclass(frozen=True)
@@ -185,6 +188,13 @@ class LayerSpec:
     kernels_fwd: int = 0
     """Kernels launched by the forward (for launch overhead)."""
     kernels_bwd: int = 0
+    autocast_kernels_fwd: int = 0
+    """Kernels the forward launches when it runs under autocast on fp32 weights, as
+    autoplan's runtime runs a plan without an FSDP-family wrapper: the casts autocast inserts
+    included (:mod:`autoplan.models.autocast`). 0: not measured (the host counts
+    ``kernels_fwd``)."""
+    autocast_kernels_bwd: int = 0
+    """The backward's kernels under autocast (the casts' backward included); 0: not measured."""
     activation_bytes: ActivationBytes = ActivationBytes()
     """Bytes saved for backward per sample, by recompute mode ('none', 'selective', 'full')."""
     output_bytes: float = 0.0

@@ -162,11 +162,12 @@ def spec_from_dict(d: dict, where: str = "spec") -> LayerSpec:
     def recompute_prefix(x: FieldReader | None) -> RecomputePrefix | None:
         if x is None:
             return None     # (specs measured before it was recorded: the whole forward)
-        x.reject_unknown(("gemms", "attention_share", "memory_bytes", "kernels", "saved_tensors"))
+        x.reject_unknown(("gemms", "attention_share", "memory_bytes", "kernels", "saved_tensors", "autocast_kernels"))
         return RecomputePrefix(gemms=x.int("gemms", minimum=0, maximum=100_000),
                                attention_share=x.float("attention_share", minimum=0.0, maximum=1.0),
                                memory_bytes=split("memory_bytes", x), kernels=x.int("kernels", minimum=0, maximum=10**9),
-                               saved_tensors=x.int("saved_tensors", 0, minimum=0, maximum=10**9))
+                               saved_tensors=x.int("saved_tensors", 0, minimum=0, maximum=10**9),
+                               autocast_kernels=x.int("autocast_kernels", 0, minimum=0, maximum=10**9))
 
     act = r.sub("activation_bytes")
     act.reject_unknown(("none", "selective", "full"))
@@ -179,6 +180,9 @@ def spec_from_dict(d: dict, where: str = "spec") -> LayerSpec:
         core_memory_bytes_fwd=split("core_memory_bytes_fwd"),
         kernels_fwd=r.int("kernels_fwd", minimum=0, maximum=10**9),
         kernels_bwd=r.int("kernels_bwd", minimum=0, maximum=10**9),
+        # (specs measured before the autocast census recorded none: 0, the host counts the above)
+        autocast_kernels_fwd=r.int("autocast_kernels_fwd", 0, minimum=0, maximum=10**9),
+        autocast_kernels_bwd=r.int("autocast_kernels_bwd", 0, minimum=0, maximum=10**9),
         activation_bytes=ActivationBytes(**{k: split(k, act) for k in ("none", "selective", "full")}),
         output_bytes=num(r, "output_bytes"), tp_allreduces_fwd=r.int("tp_allreduces_fwd", minimum=0, maximum=10**6),
         causal=r.bool("causal"), experts=experts(r.sub("experts", None)),
