@@ -48,8 +48,6 @@ FULL_FIT_RUNS = 4
 """Runs from which all three timing parameters are fitted."""
 CSV_REQUIRED = ("model", "seq_len", "device", "tp", "pp", "dp", "micro_batch", "global_batch", "recompute",
                 "zero", "status")
-CSV_OPTIONAL = ("gpus_per_node", "nodes", "schedule", "virtual_stages", "sequence_parallel", "dtype", "stack",
-                "step_time_s", "peak_memory_GiB", "peak_reserved_GiB", "device_used_GiB")
 
 
 @dataclass(frozen=True)

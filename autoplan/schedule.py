@@ -80,16 +80,6 @@ class ScheduleProgram:
         elif action.kind == "W":
             yield Action(s, "I", m)
 
-    def crosses_ranks(self, producer: Action, consumer: Action) -> bool:
-        return self.stage_to_rank[producer.stage] != self.stage_to_rank[consumer.stage]
-
-    @cached_property
-    def dependency_table(self) -> tuple[tuple[tuple[tuple[Action, bool], ...], ...], ...]:
-        """For every rank and position, the (dependency, crosses ranks) pairs: computed
-        once per program, since the simulator walks it for every estimate."""
-        return tuple(tuple(tuple((d, self.crosses_ranks(d, a)) for d in self.dependencies(a)) for a in r)
-                     for r in self.ranks)
-
     @cached_property
     def compiled(self) -> "CompiledProgram":
         """The program with actions numbered, for the simulator's inner loop (lists indexed

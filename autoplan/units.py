@@ -7,7 +7,6 @@ GiB = 2**30         # bytes; HBM capacities ("80GB") are binary in practice
 MiB = 2**20
 TFLOPS = 1e12       # FLOP/s
 US = 1e-6           # seconds per microsecond
-MS = 1e-3
 Gbit = 1e9 / 8      # bytes per gigabit
 
 DTYPE_BYTES = {"fp32": 4, "tf32": 4, "fp16": 2, "bf16": 2, "fp8": 1}

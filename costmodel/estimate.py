@@ -21,7 +21,7 @@ from costmodel.compute import ProfileSource, layer_timing
 from costmodel.context import context_shard, stage_exchange
 from costmodel.efficiency import achieved_memory_bandwidth, default_efficiency
 from costmodel.host import host_costs, layer_host_kernels, pipeline_host_time, with_host
-from costmodel.memory import (DEFAULT_MEMORY_MARGIN, GroupMemory, activation_bytes, group_memory,
+from costmodel.memory import (DEFAULT_MEMORY_MARGIN, GroupMemory, activation_bytes, communicators, group_memory,
                               model_state_bytes, optimizer_step_bytes, transient_bytes)
 from costmodel.redistribute import layout_comm
 from costmodel.simulate import Event, StageCosts, simulate
@@ -338,16 +338,14 @@ def stage_costs(model: ModelSpec, cluster: Cluster, plan: Plan, options: Estimat
                                               expert_local * stack.grad_reduce_bytes_per_param, kind)
         else:
             reduce = 0.0
+        # The whole activation per replica, with or without sequence parallelism: p2p_time
+        # splits it over the tensor-parallel ranks (each sends 1/t).
         out_bytes = b * layers[-1].output_bytes
-        if sp and tp > 1:
-            out_bytes_sent = out_bytes  # already sequence-sharded: each rank sends 1/t
-        else:
-            out_bytes_sent = out_bytes
         send_f = 0.0
         if s_idx < n - 1:
             nxt = plan.groups[plan.stages[s_idx + 1].group]
             if nxt is not group:
-                send_f = p2p(group, nxt, out_bytes_sent)
+                send_f = p2p(group, nxt, out_bytes)
         send_b = 0.0
         if s_idx > 0:
             prv = plan.groups[plan.stages[s_idx - 1].group]
@@ -420,13 +418,6 @@ def _transient(model: ModelSpec, cluster: Cluster, plan: Plan, s: int, stack: St
     return worst
 
 
-def _communicators(plan: Plan, g: int) -> int:
-    """Process groups of two or more ranks that a rank of pipeline group ``g`` talks in."""
-    group = plan.groups[g]
-    shards = group.dp * group.cp
-    return (group.tp > 1) + (shards > 1) + (group.cp > 1) + (plan.pp > 1) + (plan.ep > 1) + (plan.ep > 1 and shards > plan.ep)
-
-
 def estimate(model: ModelSpec, cluster: Cluster, plan: Plan, options: EstimateOptions | None = None,
              **kwargs) -> Estimate:
     """Simulate one training iteration of ``plan``. Keyword arguments override
@@ -466,7 +457,8 @@ def estimate(model: ModelSpec, cluster: Cluster, plan: Plan, options: EstimateOp
         accelerator = any(is_accelerator(d.name) for d in _group_devices(cluster, group.ranks))
         mem = group_memory(states, sim.peak_activation_bytes[g] * act_scale, transient * act_scale,
                            optimizer_step_bytes(layers, group.tp, shards, plan.zero, stack, plan.ep),
-                           _communicators(plan, g), shards, stack, accelerator)
+                           communicators(group.tp, shards, group.cp, plan.pp, plan.ep), shards, stack,
+                           accelerator)
         mem.buffers += extra
         memory_by_group.append(mem)
         for r in group.ranks:

@@ -166,6 +166,13 @@ def optimizer_step_bytes(layers: Sequence[LayerSpec], tp: int, dp: int, zero: in
     return params * stack.optimizer_step_bytes_per_param
 
 
+def communicators(tp: int, shards: int, cp: int, pp: int, ep: int) -> int:
+    """Process groups of two or more ranks a rank talks in, each holding NCCL's buffers:
+    tensor, data x context (``shards``: gradients are reduced over both), context, pipeline,
+    expert, and the expert-data group when experts are sharded over fewer ranks."""
+    return (tp > 1) + (shards > 1) + (cp > 1) + (pp > 1) + (ep > 1) + (ep > 1 and shards > ep)
+
+
 def group_memory(states: ModelStateBytes, in_flight: float, backward_transient: float, step_bytes: float,
                  communicators: int, dp: int, stack: Stack, accelerator: bool) -> GroupMemory:
     """The peak of one rank, by component: the forward/backward peak (activations in flight,

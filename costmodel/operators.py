@@ -9,7 +9,7 @@ from typing import Protocol
 
 from autoplan.catalog import DeviceSpec
 from autoplan.models.opmeasure import OpCost
-from costmodel.compute import gemm_time
+from costmodel.compute import _gemms_time
 from costmodel.efficiency import Efficiency, default_efficiency
 
 
@@ -33,8 +33,6 @@ class OperatorProfileSource(Protocol):
 
     def op_timing(self, device: DeviceSpec, key: str, micro_batch: int) -> OpTiming | None: ...
 
-    def efficiency(self, device: DeviceSpec) -> Efficiency | None: ...
-
 
 def roofline_op_timing(device: DeviceSpec, eff: Efficiency, cost: OpCost, micro_batch: int,
                        dtype: str, attention: str = "flash2") -> OpTiming:
@@ -47,7 +45,8 @@ def roofline_op_timing(device: DeviceSpec, eff: Efficiency, cost: OpCost, micro_
     att_fwd, att_bwd = eff.attention(attention)
 
     def gemms(gs, select=lambda g: True):
-        return sum(gemm_time(device, eff, *g.shape(b, 1), dtype) for g in gs if select(g))
+        # (The layer roofline's GEMM time, unaligned weights at the device's unaligned rate included.)
+        return _gemms_time(device, eff, gs, b, 1, dtype, select)
 
     fwd = (gemms(cost.gemms_fwd) + cost.attention_flops_fwd * b * causal / (peak * att_fwd)
            + cost.memory_bytes_fwd * b / bw + cost.kernels_fwd * eff.launch_s)
@@ -62,12 +61,10 @@ def op_timing(device: DeviceSpec, cost: OpCost, micro_batch: int, dtype: str,
               profiles: OperatorProfileSource | None = None, key: str = "", attention: str = "flash2",
               efficiency: Efficiency | None = None) -> OpTiming:
     """Measured timing when a profile covers this operator on this device, else the roofline
-    (with efficiencies fitted from the device's profiles when there are some)."""
-    eff = efficiency
-    if profiles is not None:
-        if key:
-            measured = profiles.op_timing(device, key, micro_batch)
-            if measured is not None:
-                return measured
-        eff = eff or profiles.efficiency(device)
-    return roofline_op_timing(device, eff or default_efficiency(device.name), cost, micro_batch, dtype, attention)
+    at ``efficiency`` (the device family's defaults when None: operator profiles fit none)."""
+    if profiles is not None and key:
+        measured = profiles.op_timing(device, key, micro_batch)
+        if measured is not None:
+            return measured
+    return roofline_op_timing(device, efficiency or default_efficiency(device.name), cost, micro_batch, dtype,
+                              attention)

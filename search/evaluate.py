@@ -168,12 +168,6 @@ def stage_figures(tables: Tables, sk: Skeleton, st: Setting, bounds: Sequence[tu
     return out
 
 
-def stage_figure(tables: Tables, sk: Skeleton, st: Setting, j: int, n: int, a: int, b: int,
-                 mode: str) -> StageFigures:
-    """Costs of stage ``j`` of ``n`` (units [a, b), recompute ``mode``)."""
-    return _GroupFigures(tables, sk, st).stage(j, n, a, b, mode)
-
-
 class _GroupFigures:
     """What every stage of one group shares (its table's prefix sums, its data-parallel
     collectives' affine costs), looked up once per group instead of once per stage."""

@@ -468,10 +468,6 @@ class ChainSolution:
     """(operator, strategy) timings that came from a measured operator profile."""
     tables: dict[int, dict[tuple[str, str], UnitSolution | None]] = field(default_factory=dict, repr=False)
 
-    @property
-    def max_unit_memory(self) -> float:
-        return max(u.memory_bytes for u in self.units)
-
     def layouts(self, model: ModelGraph) -> Layouts:
         groups: dict[int, list[int]] = {}
         keyed: dict[int, UnitSolution] = {}

@@ -28,7 +28,7 @@ from costmodel.context import context_shard, stage_exchange
 from costmodel.efficiency import achieved_memory_bandwidth
 from costmodel.estimate import EstimateOptions, device_timing_inputs
 from costmodel.host import HostCosts, host_costs, layer_host_kernels
-from costmodel.memory import activation_bytes, transient_bytes
+from costmodel.memory import activation_bytes, communicators, transient_bytes
 from costmodel.redistribute import layout_comm
 
 RECOMPUTES = ("none", "selective", "full")
@@ -365,7 +365,7 @@ class Tables:
         if group is None:
             return stack.cuda_context_bytes + min(self._extra_bytes, 0.0)
         shards = group.dp * group.cp   # gradients are reduced over data x context ranks
-        comms = (group.tp > 1) + (shards > 1) + (group.cp > 1) + (pp > 1) + (ep > 1) + (ep > 1 and shards > ep)
+        comms = communicators(group.tp, shards, group.cp, pp, ep)
         return (stack.cuda_context_bytes + comms * stack.nccl_bytes_per_group
                 + (stack.dp_buffer_bytes if shards > 1 else 0.0) + self._extra_bytes)
 

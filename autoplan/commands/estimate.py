@@ -31,8 +31,6 @@ def run(args) -> int:
     plan = Plan.load(args.plan)
     options = cost_model_options(args)
     model = load_model(args, dtype=plan.dtype)
-    for path in (args.timeline, args.memory_plot):
-        _check_writable(path)
     est = estimate(model, cluster, plan, options)
     if args.json:
         print(json.dumps(est.to_dict(), indent=2))
@@ -69,15 +67,3 @@ def run(args) -> int:
         print()
         print(compare_with_estimate(load_record(args.measured), est))
     return 0 if est.fits else 1
-
-
-def _check_writable(path) -> None:
-    """Fail before the work when an output file cannot be written."""
-    if not path:
-        return
-    from pathlib import Path
-
-    from autoplan.errors import ConfigError
-    parent = Path(path).resolve().parent
-    if not parent.is_dir():
-        raise ConfigError(str(path), f"cannot be written: {parent} is not a directory", "create it first")

@@ -21,6 +21,7 @@ import torch
 from torch.utils import _pytree as pytree
 from torch.utils.flop_counter import FlopCounterMode
 
+from autoplan.errors import ConfigError
 from autoplan.models.extract import _CensusMode, _fused_kernel
 from autoplan.models.graph import OpNode, TensorInfo, UnitGraph
 from autoplan.models.spec import Gemm
@@ -258,10 +259,10 @@ def _traced(fx: torch.fx.Node, micro_batch: int) -> dict:
             tensors.append(t)
     try:
         return _census(fx.target, fx.args, fx.kwargs, tensors)
-    except Exception:
-        from autoplan.models.extract import _Census
-        return dict(flops_f=0.0, flops_b=0.0, fwd=_Census(), bwd=_Census(), saved_in=[0.0] * len(tensors),
-                    saved_out=[0.0], internal=0.0)
+    except Exception as e:   # noqa: BLE001 - any failure of the op on meta; costing it at zero would hide it
+        raise ConfigError(f"operator {fx.name} ({fx.target})",
+                          f"cannot be run on meta to measure its cost ({type(e).__name__}: {e})",
+                          "search without --layouts, which measures whole layers") from e
 
 
 def op_key(graph: UnitGraph, node: OpNode, strategy: Strategy, degree: int) -> str:

@@ -59,9 +59,6 @@ class OperatorProfile:
         return OpTiming(forward=e["forward_ms"] / 1e3, backward_input=e["backward_ms"] / 1e3,
                         backward_weight=0.0, source="measured")
 
-    def efficiency(self, device: DeviceSpec):
-        return None
-
     # ---------------------------------------------------------------- files
     def to_dict(self) -> dict:
         return {"format_version": FORMAT_VERSION, "device": self.device, "dtype": self.dtype,
