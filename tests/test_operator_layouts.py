@@ -243,3 +243,20 @@ def test_implied_collectives_count_once_per_tensor_and_placement():
     back = [r for r in implied_collectives(block, strategies, "R")
             if r.collective.phase == "backward" and r.tensor == "layer_norm"]
     assert [r.collective.kind for r in back] == ["all_reduce"]
+
+
+def test_an_operator_that_cannot_run_on_meta_is_named_not_costed_at_zero():
+    """Its cost would be unknown: the search says which operator, rather than pricing it at
+    nothing and picking layouts around a free operator."""
+    import torch
+
+    from autoplan.models.opmeasure import _traced
+
+    def no_meta_kernel(t):
+        raise RuntimeError("no meta kernel")
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    x.meta["val"] = torch.empty(2, 2, device="meta")
+    node = graph.call_function(no_meta_kernel, (x,))
+    with pytest.raises(ConfigError, match="no_meta_kernel.*cannot be run on meta"):
+        _traced(node, 1)
