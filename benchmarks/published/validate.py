@@ -522,28 +522,31 @@ MEASURED_FIT = ("h100",)
 other sweeps only check it."""
 
 
-def _measured_estimates(df: pd.DataFrame, stack):
-    cluster = autoplan.Cluster.homogeneous(_catalog_device(df.device.iloc[0]), 1, 1)
-    out = []
-    for r in df.itertuples():
-        model = autoplan.models.get(r.model, seq_len=int(r.seq_len))
-        plan = autoplan.Plan.uniform(model, cluster, tp=1, pp=1, dp=1, micro_batch=int(r.micro_batch),
-                                     global_batch=int(r.global_batch), recompute=r.recompute)
-        out.append((r, autoplan.estimate(model, cluster, plan, stack=stack)))
-    return out
+def _measured_runs(names=None) -> dict[Path, list]:
+    """The measured sweeps under benchmarks/results/gpu/ (all, or those named), read as
+    ``autoplan calibrate --csv`` reads them (``autoplan.calibrate.runs_from_csv``): the model
+    as its stack runs it, the plan each row describes."""
+    from autoplan.calibrate import runs_from_csv
+    paths = (sorted((RESULTS / "gpu").glob("*/memory_runs.csv")) if names is None
+             else [RESULTS / "gpu" / name / "memory_runs.csv" for name in names])
+    return {p: runs_from_csv(p) for p in paths if p.exists()}
+
+
+def _measured_estimates(runs: list, stack=None) -> list[tuple]:
+    """(run, its estimate) on ``stack`` (default: the run's own)."""
+    return [(r, autoplan.estimate(r.model, r.cluster, r.plan, stack=stack or r.stack)) for r in runs]
 
 
 def fit_autoplan_activation_scale() -> float:
     """Least-squares (log) fit of the autoplan stack's activation scale to the peak allocated
     memory of the fitting sweeps; rewrites the stack file."""
     base = get_stack("autoplan")
-    paths = [RESULTS / "gpu" / name / "memory_runs.csv" for name in MEASURED_FIT]
-    frames = [pd.read_csv(p) for p in paths if p.exists()]
+    measured = [r for runs in _measured_runs(MEASURED_FIT).values() for r in runs if r.ran and r.peak_memory_bytes]
     best = None
     for a in np.round(np.arange(0.9, 1.61, 0.01), 2):
         stack = dataclasses.replace(base, activation_scale=float(a))
-        err = [math.log(r.peak_memory_GiB * 2 ** 30 / est.allocated_peak_bytes) ** 2
-               for df in frames for r, est in _measured_estimates(df[df.status == "ok"], stack)]
+        err = [math.log(r.peak_memory_bytes / est.allocated_peak_bytes) ** 2
+               for r, est in _measured_estimates(measured, stack)]
         score = sum(err)
         if best is None or score < best[0]:
             best = (score, float(a))
@@ -564,10 +567,9 @@ def fit_autoplan_host() -> tuple[float, float]:
     """Fit the autoplan stack's host costs per kernel and per step to the step times of the
     fitting sweeps (compute model as it is); rewrites the stack file. Prints the fit at each
     norm of ``HOST_OVERLAP_NORM``'s grid, which is how that constant was chosen."""
-    from autoplan.calibrate import fit_host, runs_from_csv
+    from autoplan.calibrate import fit_host
     from costmodel.host import HOST_OVERLAP_NORM as kept
-    paths = [RESULTS / "gpu" / name / "memory_runs.csv" for name in MEASURED_FIT]
-    runs = [r for p in paths if p.exists() for r in runs_from_csv(p)]
+    runs = [r for found in _measured_runs(MEASURED_FIT).values() for r in found]
     for norm in HOST_NORMS:
         per_kernel, per_step, error = fit_host(runs, norm)
         print(f"  autoplan host at norm {norm:g}: {per_kernel * 1e6:.1f} us per kernel, "
@@ -576,9 +578,9 @@ def fit_autoplan_host() -> tuple[float, float]:
     why = ("fitted jointly with {other} (least squares on log step time, the compute model as it is, "
            f"costmodel.host's norm {kept:g}) to the Llama-3.2-1B sweep benchmarks/results/gpu/h100/memory_runs.csv "
            f"({error:.1%} mean error; `python benchmarks/published/validate.py --fit`); the GPT-2 and GPT-3 sweeps "
-           "only check it. Per kernel the model spec counts (the zoo's eager kernels): the runtime issues about 1.4 "
-           "(Llama) to 2.1 (GPT-2) times as many from Python under autocast, 5,200-9,400 a step in "
-           "benchmarks/results/gpu/h100/step_profile.csv, and its optimizer loops over the parameter tensors")
+           "only check it. Per kernel the runtime issues: the model spec's, counted under autocast where the runtime "
+           "autocasts (LayerSpec.autocast_kernels_fwd: within 6% of the forward kernels profiled in "
+           "benchmarks/results/gpu/h100/step_profile.csv); per step, its optimizer's loops over the parameter tensors")
     tables.write_fitted("autoplan", {"host_us_per_kernel": round(per_kernel * 1e6, 2),
                                      "host_ms_per_step": round(per_step * 1e3, 1)},
                         {"host_us_per_kernel": why.format(other="host_ms_per_step"),
@@ -589,35 +591,30 @@ def fit_autoplan_host() -> tuple[float, float]:
 
 def measured_section() -> tuple[list[str], dict]:
     lines, residuals = [], {"time": [], "memory": []}
-    for path in sorted((RESULTS / "gpu").glob("*/memory_runs.csv")):
-        df = pd.read_csv(path)
+    for path, runs in _measured_runs().items():
         fitting = path.parent.name in MEASURED_FIT
-        lines += [f"`{path.relative_to(ROOT)}` ({df.device.iloc[0]}, stack {df['stack'].iloc[0]}; "
+        device = pd.read_csv(path, nrows=1).device.iloc[0]          # (as the sweep names it)
+        lines += [f"`{path.relative_to(ROOT)}` ({device}, stack {runs[0].stack}; "
                   f"{'fits the stack activation scale and host costs; the time traffic scale is fitted on this model' if fitting else 'checking only'}):", "",
                   "| seq | recompute | mb x accumulation | measured | predicted | step time measured / predicted | "
                   "peak allocated GiB measured / predicted |", "|---|---|---|---|---|---:|---:|"]
-        cluster = autoplan.Cluster.homogeneous(_catalog_device(df.device.iloc[0]), 1, 1)
         times, peaks = [], []
-        for r in df.itertuples():
-            model = autoplan.models.get(r.model, seq_len=int(r.seq_len))
-            plan = autoplan.Plan.uniform(model, cluster, tp=1, pp=1, dp=1, micro_batch=int(r.micro_batch),
-                                         global_batch=int(r.global_batch), recompute=r.recompute)
-            est = autoplan.estimate(model, cluster, plan, stack=getattr(r, "stack"))
-            pred = est.status
-            if r.status == "ok":
+        for r, est in _measured_estimates(runs):
+            plan, pred = r.plan, est.status
+            setting = f"| {r.model.seq_len} | {plan.stages[0].recompute} | {plan.micro_batch} x {plan.num_micro_batches} |"
+            if r.ran:
                 t_ratio = r.step_time_s / est.iteration_time_s
-                m_ratio = r.peak_memory_GiB * 2 ** 30 / est.allocated_peak_bytes
+                m_ratio = r.peak_memory_bytes / est.allocated_peak_bytes
                 times.append(t_ratio - 1)
                 peaks.append(m_ratio - 1)
                 if not fitting:   # (the interval comes from checking rows only)
                     residuals["time"].append(t_ratio - 1)
                     residuals["memory"].append(m_ratio - 1)
-                lines.append(f"| {r.seq_len} | {r.recompute} | {r.micro_batch} x {r.global_batch // r.micro_batch} | "
-                             f"ran | {pred} | {r.step_time_s:.3f} / {est.iteration_time_s:.3f} | "
-                             f"{r.peak_memory_GiB:.1f} / {est.allocated_peak_bytes / 2 ** 30:.1f} |")
+                lines.append(f"{setting} ran | {pred} | {r.step_time_s:.3f} / {est.iteration_time_s:.3f} | "
+                             f"{r.peak_memory_bytes / 2 ** 30:.1f} / {est.allocated_peak_bytes / 2 ** 30:.1f} |")
             else:
-                lines.append(f"| {r.seq_len} | {r.recompute} | {r.micro_batch} x {r.global_batch // r.micro_batch} | "
-                             f"out of memory | {pred} | | predicted total {est.peak_memory_bytes / 2 ** 30:.1f} GiB |")
+                lines.append(f"{setting} out of memory | {pred} | | predicted total "
+                             f"{est.peak_memory_bytes / 2 ** 30:.1f} GiB |")
         lines += ["", f"Step time: MAPE {_mape(times)} over {len(times)} runs that ran (mean signed "
                       f"{np.mean(times):+.1%}); peak allocated memory: MAPE {_mape(peaks)}.", ""]
     if residuals["time"]:
@@ -629,13 +626,6 @@ def measured_section() -> tuple[list[str], dict]:
 
 def _mape(errors: list[float]) -> str:
     return f"{np.mean(np.abs(errors)):.1%}"
-
-
-def _catalog_device(name: str) -> str:
-    for key in ("H200", "H100", "A100"):
-        if key in name:
-            return key
-    return name
 
 
 def band(values: list[float], source: str) -> dict | None:
