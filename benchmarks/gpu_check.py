@@ -113,7 +113,8 @@ def report(args, device, env_line: str, layers, steps, run, elapsed: float) -> s
     worst_step = max(abs(s.error) for s in steps)
     lines += ["## Whole training step (forward + backward of one micro-batch)", "",
               f"Profile-based prediction vs the whole model timed as one piece; worst error "
-              f"**{worst_step:.1%}** (target {STEP_TARGET:.0%}).", "",
+              f"**{worst_step:.1%}** (target {STEP_TARGET:.0%}: "
+              f"{'met' if worst_step <= STEP_TARGET else 'missed'}).", "",
               "| micro-batch | seq | measured ms | predicted ms (profile) | error | catalog roofline ms | error |",
               "|---:|---:|---:|---:|---:|---:|---:|"]
     for s in steps:
@@ -160,6 +161,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=20, help="training steps of the run (0: no run)")
     p.add_argument("--accumulation", type=int, default=4, help="micro-batches per training step")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "gpu"))
+    p.add_argument("--check", action="store_true",
+                   help=f"exit with status 1 when a whole-step prediction misses the measured step by more "
+                        f"than {STEP_TARGET:.0%}")
     args = p.parse_args(argv)
     args.command = " ".join(["python benchmarks/gpu_check.py", *(sys.argv[1:] if argv is None else argv)])
     t0 = time.monotonic()
@@ -211,6 +215,10 @@ def main(argv: list[str] | None = None) -> int:
     path = out / f"gpu_check_{args.tag}.md"
     path.write_text(report(args, device, env_line, layers, steps, run, time.monotonic() - t0))
     print(f"wrote {path}")
+    worst = max(abs(s.error) for s in steps)
+    if args.check and worst > STEP_TARGET:
+        print(f"whole-step error {worst:.1%} exceeds the {STEP_TARGET:.0%} target")
+        return 1
     return 0
 
 

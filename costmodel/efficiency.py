@@ -22,8 +22,17 @@ Sources of the defaults:
   assumed alike (on H100 the published llm-foundry rows suggest a smaller gap).
 * A100: cuBLAS bf16 GEMMs of transformer shapes reach ~80% of 312 TFLOP/s; FlashAttention-2
   (Dao 2023, Fig. 4-5) 50-73% forward, ~60% backward at head dim 128.
-* V100 / T4 / MI: vendor GEMM efficiency; the T4's 70 W power limit holds its sustained
-  tensor-core clock far below the 1590 MHz boost the 65 TFLOP/s peak assumes.
+* H200: the H100's figures (the same GH100 compute die with more, faster HBM); not measured
+  on an H200 here.
+* V100 / T4 / MI: assumed, not measured here: fractions of peak in the range vendor GEMM
+  benchmarks report for those generations; the T4's 70 W power limit holds its sustained
+  tensor-core clock far below the 1590 MHz boost the 65 TFLOP/s peak assumes. The AMP GPT-2
+  layer profiles on T4 and V100 (``benchmarks/published/data``) check them, host-bound as
+  those layers are.
+* CPU (a CPU process standing in for a GPU in tests): assumed; CI's measured CPU profiles
+  (``autoplan/data/profiles``) and calibrations replace it wherever they apply.
+* Families without an entry (L4, L40S, A10G, RTX 4090, ...) take the dataclass defaults, an
+  A100-like assumption, not a measurement.
 * bandwidth-bound kernels reach 70-90% of HBM bandwidth (STREAM-like copies).
 * NCCL ring collectives reach ~80-90% of the link's per-direction bandwidth (the
   "bus bandwidth" of nccl-tests) for large messages.

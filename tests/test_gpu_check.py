@@ -60,6 +60,20 @@ def test_layers_cover_every_unit_kind_and_tp(checked):
     assert kinds_tp == {(k, tp) for k in ("embedding", "block", "head") for tp in ("1", "2")}
 
 
+def test_check_flag_fails_only_where_the_target_is_missed(checked, monkeypatch):
+    """--check turns the report's target into an exit status: the same steps pass or fail
+    as the target they are held to allows."""
+    module = load_script()
+    out, text = checked
+    worst = max(abs(numbers(line)[4]) for line in text.splitlines() if re.match(r"\| [12] \| 32 \|", line)) / 100
+    args = ["--device", "cpu", "--model", "llama-tiny", "--dtype", "fp32", "--seq-len", "32", "--micro-batches",
+            "1,2", "--tp", "1", "--steps", "0", "--out", str(out), "--check"]
+    for target, code in ((1e9, 0), (0.0, 1)):     # (no measured step is exactly on its prediction)
+        monkeypatch.setattr(module, "STEP_TARGET", target)
+        assert module.main(args) == code
+    assert ("met" if worst <= 0.10 else "missed") in text.split("(target 10%: ")[1][:6]
+
+
 def test_training_run_recorded(checked):
     out, text = checked
     record = json.loads((out / "gpu_check_run_cpu.json").read_text())

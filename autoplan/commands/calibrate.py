@@ -54,7 +54,8 @@ def run(args) -> int:
     print(table(body, ["run", "plan", "", "measured s", "default s", "held-out s", "measured GiB", "held-out GiB"]))
     print()
     for name, d in cal.devices.items():
-        where = "host, beside the device" if is_accelerator(name) else "added to compute"
+        where = ("the host's, beside the device" if is_accelerator(name)
+                 else "per kernel added to compute, per step to the optimizer step")
         print(f"{name}: compute x{d.compute_scale:.3g}, {d.launch_s * 1e6:.3g} us per kernel and "
               f"{(d.step_overhead_s or 0.0) * 1e3:.3g} ms per step ({where})")
     if cal.loo_memory_mape is not None:
