@@ -51,10 +51,10 @@ DATA = Path(__file__).resolve().parent / "data"
 RESULTS = ROOT / "benchmarks" / "results"
 UNCERTAINTY = ROOT / "autoplan" / "data" / "uncertainty.json"
 # Selene (both Megatron papers): 8 x A100-SXM4-80GB per node on NVSwitch, 8 x HDR InfiniBand
-# 200 Gbit/s adapters per node = 25 GB/s per GPU per direction.
-INTER_NODE_GBPS = 25.0
-MEGATRON_DROPOUT = 0.1
-"""Megatron-LM's default hidden and attention dropout, used by the GPT runs of both papers."""
+# 200 Gbit/s adapters per node = 25 GB/s per GPU per direction; Megatron-LM's default dropout.
+# (The published-table builders' figures, one definition for both.)
+INTER_NODE_GBPS = tables.SELENE_GBPS
+MEGATRON_DROPOUT = tables.MEGATRON_DROPOUT
 HAGEMANN_FIT_MODELS = ("Llama 13B",)
 """Hagemann tables whose runs fit the aa-scaling loss constant; the rest only check it."""
 HAGEMANN_VOCAB = 128000
@@ -134,8 +134,8 @@ def estimate_row(row: Row):
     cluster = autoplan.Cluster.homogeneous("A100-SXM4-80GB", nodes=max(1, row.gpus // 8),
                                            gpus_per_node=min(8, row.gpus), inter_node_GBps=INTER_NODE_GBPS)
     choices = []
-    mbs = [row.micro_batch] if row.micro_batch else [1, 2, 4, 8]
-    vs = [row.virtual] if row.virtual else [v for v in (1, 2, 3, 4, 6, 8) if row.pp > 1 or v == 1]
+    mbs = [row.micro_batch] if row.micro_batch else list(tables.MICRO_BATCHES)
+    vs = [row.virtual] if row.virtual else [v for v in tables.VIRTUAL_STAGES if row.pp > 1 or v == 1]
     for mb in mbs:
         for v in vs:
             if (row.layers % (row.pp * v)) or row.global_batch % (mb * row.dp):
