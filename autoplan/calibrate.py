@@ -303,6 +303,8 @@ def _fit_memory(ds: list[_Decomposed]) -> tuple[float, float]:
     if len(ds) == 1 or np.ptp(X[:, 0]) == 0:
         return 1.0, float(np.mean(y - X[:, 0]))
     (a, b), *_ = np.linalg.lstsq(X, y, rcond=None)
+    # (Runs whose dynamic memory hardly varies can give a near-zero or negative slope; a
+    # scale under 5% of the modelled activations is no physical reading of them.)
     return float(max(a, 0.05)), float(b)
 
 

@@ -164,7 +164,9 @@ def _interp_mb(points: dict[int, dict], mb: int, name: str) -> float | None:
         lo, hi = xs[i - 1], xs[i]
     y0, y1 = float(points[lo][name]), float(points[hi][name])
     y = y0 + (y1 - y0) * (mb - lo) / (hi - lo)
-    # Extrapolating down a noisy line must not give a negative time.
+    # Extrapolating down a noisy line must not give a negative time: it is held at a quarter
+    # of the nearer measured time (a floor, not a model: below the smallest micro-batch
+    # measured the profile says little).
     return max(y, 0.25 * min(y0, y1))
 
 
