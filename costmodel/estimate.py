@@ -518,7 +518,10 @@ def estimate(model: ModelSpec, cluster: Cluster, plan: Plan, options: EstimateOp
     if host_s > 0:
         calibrated = options.calibration is not None and any(
             options.calibration.device(node_group.device.name) is not None for node_group in cluster.groups)
-        inputs["host"] = (f"{host_s:.3g} s of host work per step, "
+        autocast = any(stack.computes_under_autocast(g.dp * g.cp, plan.zero, plan.pp, g.tp, plan.ep, plan.schedule,
+                                                     plan.dtype) for g in plan.groups)
+        inputs["host"] = (f"{host_s:.3g} s of host work per step"
+                          + (" (its kernels counted under autocast, the casts included)" if autocast else "") + ", "
                           + ("calibrated" if calibrated else f"stack {stack.name} defaults"))
     inputs["interval"] = time_band.source or "none"
     return Estimate(

@@ -137,3 +137,6 @@ def test_estimate_charges_the_casts_to_autocast_plans_only():
     stack = get_stack("autoplan")
     assert kernels["ddp"] == pytest.approx(sum(layer_host_kernels(l, "none", stack, True) for l in model.layers))
     assert kernels["fsdp"] == pytest.approx(sum(layer_host_kernels(l, "none", stack) for l in model.layers))
+    says = {name: autoplan.estimate(model, cluster, plan, stack="autoplan").inputs["host"]
+            for name, plan in (("ddp", ddp), ("fsdp", fsdp))}
+    assert "under autocast" in says["ddp"] and "under autocast" not in says["fsdp"]
