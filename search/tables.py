@@ -183,9 +183,11 @@ class Tables:
     # --------------------------------------------------------------- layers
     def table(self, kind: Kind, micro_batch: int, sequence_parallel: bool, exact_for=None) -> LayerTable:
         """The units' costs on ``kind`` at this micro-batch size. Times count the stack's own
-        traffic where every plan pays it (``Stack.least_traffic``: what bounds may count on);
-        ``exact_for=(skeleton, setting, group index)`` counts it as that plan's group pays it
-        (``Stack.traffic_for``). Memory is the same either way."""
+        traffic where every plan pays it (``Stack.least_traffic``: what bounds may count on)
+        and the host's kernels without autocast's casts (the fewest);
+        ``exact_for=(skeleton, setting, group index)`` counts both as that plan's group pays
+        them (``Stack.traffic_for``, ``Stack.computes_under_autocast``). Memory is the same
+        either way."""
         sp = sequence_parallel and kind.tp > 1
         traffic = self.stack.least_traffic if exact_for is None else self.traffic(*exact_for)
         autocast = exact_for is not None and self.autocast(*exact_for)
