@@ -16,11 +16,12 @@ CSV columns (one row per run; ``status`` is ``ok`` or ``oom``):
 schedule, virtual_stages, recompute, sequence_parallel, zero, dtype, stack, status,
 step_time_s, peak_memory_GiB`` (``gpus_per_node``, ``nodes``, ``schedule``,
 ``virtual_stages``, ``sequence_parallel``, ``dtype``, ``stack`` and the two measurements
-may be left out or empty).
+may be left out or empty; other columns are ignored, one spelled almost like these refused).
 """
 from __future__ import annotations
 
 import csv
+import difflib
 import dataclasses
 import datetime
 import math
@@ -48,6 +49,11 @@ FULL_FIT_RUNS = 4
 """Runs from which all three timing parameters are fitted."""
 CSV_REQUIRED = ("model", "seq_len", "device", "tp", "pp", "dp", "micro_batch", "global_batch", "recompute",
                 "zero", "status")
+CSV_OPTIONAL = ("gpus_per_node", "nodes", "schedule", "virtual_stages", "sequence_parallel", "dtype", "stack",
+                "step_time_s", "peak_memory_GiB", "peak_reserved_GiB", "device_used_GiB")
+"""Columns read when present (the last two are recorded by ``benchmarks/gpu_memory.py`` and
+not used). Other columns are ignored, unless one is spelled almost like a known column: a
+misspelt ``sequence_parallel`` would otherwise drop silently."""
 
 
 @dataclass(frozen=True)
@@ -129,6 +135,12 @@ def runs_from_csv(path, stack: str | None = None) -> list[MeasuredRun]:
     rows = list(csv.DictReader(text.splitlines()))
     if not rows:
         raise ConfigError(str(path), "has no rows", "one run per row under a header line")
+    known = CSV_REQUIRED + CSV_OPTIONAL
+    for column in rows[0]:
+        close = difflib.get_close_matches(column or "", known, n=1, cutoff=0.8) if column not in known else []
+        if close:
+            raise ConfigError(f"{path.name}: column {column!r}", "is not a column autoplan reads",
+                              f"did you mean {close[0]!r}?")
     missing = [c for c in CSV_REQUIRED if c not in rows[0]]
     if missing:
         raise ConfigError(f"{path.name}: column {missing[0]!r}", "is missing",

@@ -126,7 +126,10 @@ CSV_HEADER = "model,seq_len,device,tp,pp,dp,micro_batch,global_batch,recompute,z
     (CSV_HEADER + "\ngpt-tiny,32,CPU,1,1,2,2,8,none,0,ok,,fp32\n", "step_time_s"),
     (CSV_HEADER + "\ngpt-tiny,32,CPU,0,1,2,2,8,none,0,ok,0.1,fp32\n", "tp"),
     (CSV_HEADER + "\n", "no rows"),
-], ids=["missing-column", "bad-status", "not-a-number", "ran-without-figures", "zero-degree", "empty"])
+    (CSV_HEADER + ",sequence_paralel\ngpt-tiny,32,CPU,1,1,2,2,8,none,0,ok,0.1,fp32,yes\n",
+     "'sequence_paralel'.*did you mean 'sequence_parallel'"),
+], ids=["missing-column", "bad-status", "not-a-number", "ran-without-figures", "zero-degree", "empty",
+        "misspelt-column"])
 def test_bad_csv_is_one_line_naming_the_field(tmp_path, text, field):
     path = tmp_path / "runs.csv"
     path.write_text(text)
