@@ -18,7 +18,7 @@ search takes for a 100-layer transformer. Writes ``benchmarks/results/operator_p
 and ``operator_plans.png`` (time and memory per plan) and ``operator_layouts.png`` (the
 chosen layouts of each model's main block).
 
-    python benchmarks/operator_plans.py                   # about 15 minutes on 2 CPU cores
+    python benchmarks/operator_plans.py                   # about half a minute on 2 CPU cores
     python benchmarks/operator_plans.py --only gpt        # one scenario
 """
 from __future__ import annotations
@@ -326,7 +326,7 @@ def time_figure(results: list[dict], path: Path) -> None:
     import matplotlib.pyplot as plt
     colors = {"rule": "#8d99ae", "layer": "#2b2d42", "operator": "#2a9d8f", "coshard": "#e9c46a",
               "interlaced": "#e76f51", "reference": "#bcbcbc"}
-    fig, axes = plt.subplots(2, len(results), figsize=(5.5 * len(results), 7))
+    fig, axes = plt.subplots(2, len(results), figsize=(5.5 * len(results), 7), squeeze=False)
     for k, res in enumerate(results):
         rows = res["rows"]
         names = [r.label.replace(" (autoplan.search(layouts=True))", "").replace(" (autoplan.search)", "")
