@@ -262,14 +262,19 @@ class Stack:
             return None
         return self.traffic
 
+    @property
+    def autocasts(self) -> bool:
+        """Whether any plan computes under autocast on this stack (autoplan's runtime: the
+        stack whose traffic applies where it autocasts, ``traffic_where`` 'autocast')."""
+        return self.traffic_where == "autocast"
+
     def computes_under_autocast(self, dp: int, zero: int, pp: int, tp: int = 1, ep: int = 1,
                                 schedule: str = "1f1b", dtype: str = "bf16") -> bool:
         """Whether a plan with these degrees computes its layers under autocast on fp32
-        weights on this stack: autoplan's runtime (the stack whose traffic applies where it
-        autocasts, ``traffic_where`` 'autocast') does for a half-precision plan without an
-        FSDP-family wrapper (``autoplan.data_parallel``). Its traffic and its host's kernel
-        count (``costmodel.host.layer_host_kernels``) follow."""
-        if self.traffic_where != "autocast" or dtype not in ("bf16", "fp16"):
+        weights on this stack: one that ``autocasts`` does for a half-precision plan without
+        an FSDP-family wrapper (``autoplan.data_parallel``). Its traffic and its host's
+        kernel count (``costmodel.host.layer_host_kernels``) follow."""
+        if not self.autocasts or dtype not in ("bf16", "fp16"):
             return False
         from autoplan.data_parallel import runs_under_autocast
         return runs_under_autocast(dp, zero, pp, tp, schedule, ep)

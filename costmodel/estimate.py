@@ -242,7 +242,7 @@ def stage_costs(model: ModelSpec, cluster: Cluster, plan: Plan, options: Estimat
         # Context ranks hold the same weights as data replicas: gradients are reduced, and
         # ZeRO shards, over both. Each rank does 1/cp of every layer's token-wise work.
         tp, dp = group.tp, group.dp * group.cp
-        traffic = stack.traffic_for(dp, plan.zero, plan.pp, tp, ep, plan.schedule, plan.dtype)
+        traffic = stack.traffic_for(*_degrees(plan, group))
         layers = [context_shard(l, cp) for l in model.layers[stage.start:stage.end]]
         tp_groups, dp_groups = tp_groups_of[id(group)], dp_groups_of[id(group)]
         fwd = bwd = bwd_i = bwd_w = 0.0
@@ -383,6 +383,12 @@ def _optimizer_time(model: ModelSpec, cluster: Cluster, plan: Plan, g: int, stac
     return step, gather
 
 
+def _degrees(plan: Plan, group: DeviceGroup) -> tuple:
+    """(data x context shards, zero, pp, tp, ep, schedule, dtype) of a pipeline group: what
+    ``Stack.traffic_for`` and ``Stack.computes_under_autocast`` decide by."""
+    return group.dp * group.cp, plan.zero, plan.pp, group.tp, plan.ep, plan.schedule, plan.dtype
+
+
 def host_time(model: ModelSpec, cluster: Cluster, plan: Plan, options: EstimateOptions) -> float:
     """Host seconds of a step along the pipeline (``costmodel.host.pipeline_host_time``):
     each rank issues its stages' kernels for every micro-batch of its replica; a group of
@@ -391,8 +397,7 @@ def host_time(model: ModelSpec, cluster: Cluster, plan: Plan, options: EstimateO
     per_micro_batch, per_step = [], []
     for g, group in enumerate(plan.groups):
         costs = [host_costs(d.name, stack, options.calibration) for d in _group_devices(cluster, group.ranks)]
-        autocast = stack.computes_under_autocast(group.dp * group.cp, plan.zero, plan.pp, group.tp, plan.ep,
-                                                 plan.schedule, plan.dtype)
+        autocast = stack.computes_under_autocast(*_degrees(plan, group))
         kernels = sum(layer_host_kernels(l, plan.stages[s].recompute, stack, autocast)
                       for s in plan.stages_of_group(g) for l in model.layers[plan.stages[s].start:plan.stages[s].end])
         per_micro_batch.append(max(c.per_kernel_s for c in costs) * kernels)
@@ -519,8 +524,7 @@ def estimate(model: ModelSpec, cluster: Cluster, plan: Plan, options: EstimateOp
     if host_s > 0:
         calibrated = options.calibration is not None and any(
             options.calibration.device(node_group.device.name) is not None for node_group in cluster.groups)
-        autocast = any(stack.computes_under_autocast(g.dp * g.cp, plan.zero, plan.pp, g.tp, plan.ep, plan.schedule,
-                                                     plan.dtype) for g in plan.groups)
+        autocast = any(stack.computes_under_autocast(*_degrees(plan, g)) for g in plan.groups)
         inputs["host"] = (f"{host_s:.3g} s of host work per step"
                           + (" (its kernels counted under autocast, the casts included)" if autocast else "") + ", "
                           + ("calibrated" if calibrated else f"stack {stack.name} defaults"))

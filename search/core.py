@@ -1137,11 +1137,10 @@ class _Search:
                 and split_host_time(self.tables, sk, st, best[0].bounds, best[0].recompute) >= 0.5 * best[1].time_s):
             # A step that waits on its hosts is as slow as the group issuing the most
             # kernels: the split balanced for that too competes (costmodel.host).
-            if split_host_time(self.tables, sk, st, best[0].bounds, best[0].recompute) >= 0.5 * best[1].time_s:
-                split = self.host_splitter.split(sk, st, modes)
-                analysis = timed(split) if split is not None else None
-                if analysis is not None and analysis.fits and analysis.time_s < best[1].time_s:
-                    best = (split, analysis)
+            split = self.host_splitter.split(sk, st, modes)
+            analysis = timed(split) if split is not None else None
+            if analysis is not None and analysis.fits and analysis.time_s < best[1].time_s:
+                best = (split, analysis)
         if best is None and st.virtual_stages > 1:
             # Chunks share one memory and the DPs' per-chunk budgets are conservative: the
             # leanest split (balanced for memory instead of time) may still fit exactly.

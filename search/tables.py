@@ -94,9 +94,6 @@ class LayerTable:
     """Peak temporary bytes during the unit's backward, by recompute mode: shape (3, units)."""
     output_bytes: np.ndarray
     """Bytes of each unit's output for one micro-batch (what a pipeline send carries)."""
-    kernels: np.ndarray
-    """Kernels the host issues for one micro-batch of the unit, by recompute mode: shape
-    (3, units) (``costmodel.host.layer_host_kernels``)."""
     cum_forward: np.ndarray
     cum_tp_forward: np.ndarray
     cum_backward_input: np.ndarray
@@ -107,6 +104,8 @@ class LayerTable:
     cum_cast_params: np.ndarray
     cum_activation: np.ndarray
     cum_kernels: np.ndarray
+    """Prefix sums of the kernels the host issues for one micro-batch of each unit, by
+    recompute mode: shape (3, units + 1) (``costmodel.host.layer_host_kernels``)."""
     max_params: np.ndarray
     """max_params[s, e]: largest unit (in parameters) of the run [s, e) (ZeRO-3 working set)."""
     max_transient: np.ndarray
@@ -216,7 +215,7 @@ class Tables:
     def autocast(self, sk, st, g: int) -> bool:
         """Whether group ``g`` of skeleton ``sk`` under setting ``st`` computes under autocast
         (``Stack.computes_under_autocast``): its host issues the casts too."""
-        if self.stack.traffic_where != "autocast":
+        if not self.stack.autocasts:
             return False                      # (no plan does: most stacks)
         key = self._degrees(sk, st, g)
         hit = self._autocast.get(key)
@@ -312,7 +311,7 @@ class Tables:
                           cast_params=cast, activation=act,
                           transient=trans, output_bytes=out, cum_forward=cum(fwd), cum_tp_forward=cum(tpf),
                           cum_backward_input=cum(bi), cum_backward_weight=cum(bw), cum_params=cum(params),
-                          cum_cast_params=cum(cast), cum_activation=cum(act), kernels=kern, cum_kernels=cum(kern),
+                          cum_cast_params=cum(cast), cum_activation=cum(act), cum_kernels=cum(kern),
                           max_params=_range_max(params),
                           max_transient=np.stack([_range_max(trans[q]) for q in range(3)]),
                           sources=frozenset(sources))
