@@ -233,16 +233,19 @@ def _decompose(run: MeasuredRun) -> _Decomposed:
     device = sorted(devices)[0]
     asynchronous = is_accelerator(device)
 
+    def cal(scale: float, launch: float) -> Calibration:
+        return Calibration(stack=run.stack, devices={d: DeviceCalibration(scale, launch, 0.0) for d in devices})
+
     def calibrated(scale: float, launch: float) -> float:
-        cal = Calibration(stack=run.stack, devices={d: DeviceCalibration(scale, launch, 0.0) for d in devices})
-        return estimate(run.model, run.cluster, run.plan, stack=run.stack, calibration=cal).iteration_time_s
+        return estimate(run.model, run.cluster, run.plan, stack=run.stack,
+                        calibration=cal(scale, launch)).iteration_time_s
 
     base = estimate(run.model, run.cluster, run.plan, stack=run.stack)
     t0 = calibrated(1.0, 0.0)      # CPU: no launches; accelerator: no host
     compute = max(calibrated(2.0, 0.0) - t0, 0.0)
-    if asynchronous:
-        one = Calibration(stack=run.stack, devices={d: DeviceCalibration(1.0, 1.0, 0.0) for d in devices})
-        kernels = host_time(run.model, run.cluster, run.plan, EstimateOptions(stack=run.stack, calibration=one))
+    if asynchronous:   # (one second per kernel, none per step: the host time is the count)
+        kernels = host_time(run.model, run.cluster, run.plan,
+                            EstimateOptions(stack=run.stack, calibration=cal(1.0, 1.0)))
     else:
         kernels = max(calibrated(1.0, 1e-3) - t0, 0.0) / 1e-3
     g = max(base.memory_by_group, key=lambda m: m.allocated)
