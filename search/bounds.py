@@ -630,10 +630,11 @@ class Bounds:
         hit = self._host.get(key)
         if hit is None:
             costs = [self.tables.host_costs(k.pool) for k in set(sk.kinds)]
+            counts = (False, True) if self.tables.stack.autocasts else (False,)   # (with autocast's casts or not)
             hit = self._host[key] = (
                 max(c.per_step_s for c in costs), min(c.per_step_s for c in costs),
-                min(c.per_kernel_s for c in costs) * min(self.model_kernels("none", a) for a in (False, True)) / sk.pp,
-                max(c.per_kernel_s for c in costs) * max(self.model_kernels("full", a) for a in (False, True)),
+                min(c.per_kernel_s for c in costs) * min(self.model_kernels("none", a) for a in counts) / sk.pp,
+                max(c.per_kernel_s for c in costs) * max(self.model_kernels("full", a) for a in counts),
                 sk.pp)
         return hit
 
