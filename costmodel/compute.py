@@ -88,15 +88,20 @@ ALIGNMENT_BYTES = 16
 
 
 def _aligned(g: Gemm, shape: tuple[float, float, float, float], dtype: str) -> bool:
-    """Whether a linear layer's weight dimensions on this rank (the two that are not the
-    token dimension) are whole multiples of 16 bytes; attention's batched products, whose
-    dimensions are sequence and head sizes, are not judged."""
-    if g.batch_dim == "count":
-        return True
+    """Whether every row the GEMM loads on this rank is a whole multiple of 16 bytes: a linear
+    layer's two weight dimensions (the token dimension is never a row length); all three of
+    an attention's batched product, each of which is the row length of one of its operands
+    as stored (queries, keys, values and their gradients are rows of the head size, scores
+    rows of the sequence length). A head size that is not a multiple of 8 in a 2-byte type
+    also misaligns each head's base address in the [sequence, batch x heads, head size]
+    layout Megatron's batched products read."""
     m, n, k, _ = shape
-    weight = (n, k) if g.batch_dim == "m" else (m, n)
+    if g.batch_dim == "count":
+        rows = (m, n, k)
+    else:
+        rows = (n, k) if g.batch_dim == "m" else (m, n)
     elements = ALIGNMENT_BYTES / DTYPE_BYTES[dtype]
-    return all(float(d) % elements == 0 for d in weight)
+    return all(float(d) % elements == 0 for d in rows)
 
 
 def _gemms_time(device, eff, gemms: tuple[Gemm, ...], micro_batch: int, tp: int, dtype: str,

@@ -21,7 +21,14 @@ Sources of the defaults:
   reaches 50-73% (Dao 2023, arXiv:2307.08691, abstract). Measured on A100; other devices are
   assumed alike (on H100 the published llm-foundry rows suggest a smaller gap).
 * A100: cuBLAS bf16 GEMMs of transformer shapes reach ~80% of 312 TFLOP/s; FlashAttention-2
-  (Dao 2023, Fig. 4-5) 50-73% forward, ~60% backward at head dim 128.
+  (Dao 2023, Fig. 4-5) 50-73% forward, ~60% backward at head dim 128. No fallback rate for
+  rows that are not 16-byte aligned: none was measured on an A100 here, and the H100's is a
+  ratio to Hopper's own aligned kernels (TMA and wgmma), which Ampere lacks. That there is
+  one BigScience's 2022 sweep shows (Megatron-DeepSpeed, explicit attention): its runs whose head
+  size is not a multiple of 8 took 52% longer than predicted on average against 20% for the
+  rest, and the same layout at hidden 14,400 (heads not a multiple of 8 wide) against 13,824
+  ran 221 s against 160 s (train/tr11-176B-ml/chronicles-prequel.md, 02-20), 1.38x where the
+  model gives 1.09x (1.10x at 96 heads).
 * H200: the H100's figures (the same GH100 compute die with more, faster HBM); not measured
   on an H200 here.
 * V100 / T4 / MI: assumed, not measured here: fractions of peak in the range vendor GEMM

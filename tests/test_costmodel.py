@@ -1,6 +1,8 @@
 """The simulator and cost terms agree with the closed forms they must reproduce."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 import autoplan
@@ -229,6 +231,38 @@ def test_unaligned_head_gemms_run_at_the_measured_fallback_rate(case):
         # about its inverse (the aligned path also loses a little to tiles and short k).
         assert eff.unaligned_matmul < 1
         assert 0.7 / eff.unaligned_matmul < gemm / as_aligned < 1.0 / eff.unaligned_matmul
+
+
+# (head size, dtype, attention's batched products run on the aligned path); 8 heads
+HEAD_SIZE_CASES = {
+    "head-128": (128, "bf16", True),
+    "head-150": (150, "bf16", False),
+    "head-108": (108, "bf16", False),
+    "head-100-fp32-aligns-at-4": (100, "fp32", True),
+}
+
+
+@pytest.mark.parametrize("case", list(HEAD_SIZE_CASES), ids=list(HEAD_SIZE_CASES))
+def test_attention_batched_products_are_judged_by_head_size(case):
+    """Explicit attention's six batched products read rows of the head size: one that is not
+    a whole multiple of 16 bytes sends all of them, and only them, to the fallback rate."""
+    from autoplan.catalog import get_device
+    from costmodel.compute import _aligned, roofline_parts
+    from costmodel.efficiency import default_efficiency
+    head, dtype, aligned = HEAD_SIZE_CASES[case]
+    block = autoplan.models.transformer(layers=1, hidden=head * 8, heads=8, seq_len=512, vocab=512,
+                                        attention="math", dtype=dtype).layers[1]
+    batched = [g for g in block.gemms_fwd + block.gemms_bwd if g.batch_dim == "count"]
+    linears = [g for g in block.gemms_fwd + block.gemms_bwd if g.batch_dim != "count"]
+    assert len(batched) == 6 and linears
+    assert all(_aligned(g, g.shape(2, 1), dtype) == aligned for g in batched)
+    assert all(_aligned(g, g.shape(2, 1), dtype) for g in linears)
+    dev = get_device("H100")
+    eff = default_efficiency(dev.name)
+    as_aligned = replace(eff, unaligned_matmul=1.0)
+    ratio = roofline_parts(dev, eff, block, 2, 1, False, dtype)["gemm"] / roofline_parts(
+        dev, as_aligned, block, 2, 1, False, dtype)["gemm"]
+    assert (ratio == pytest.approx(1.0)) if aligned else ratio > 1.05
 
 
 def test_unaligned_rate_is_the_h100_measurement():
