@@ -852,12 +852,14 @@ _SPECS: dict[tuple, ModelSpec] = {}
 
 
 def model_for(row: PublishedRow, stack: Stack) -> ModelSpec:
-    """The row's model as its stack runs it (measured once per shape and kernel set)."""
-    key = (row.arch, row.layers, row.hidden, row.heads, row.kv_heads, row.ffn_hidden, row.seq_len, row.vocab,
+    """The row's model as its stack runs it (measured once per shape and kernel set), with the
+    vocabulary the stack pads at the row's tensor-parallel size (``Stack.padded_vocab``)."""
+    vocab = stack.padded_vocab(row.vocab, row.tp)
+    key = (row.arch, row.layers, row.hidden, row.heads, row.kv_heads, row.ffn_hidden, row.seq_len, vocab,
            row.dropout, row.tie_embeddings, tuple(stack.model_kernels().items()), row.dtype)
     if key not in _SPECS:
         _SPECS[key] = autoplan.models.transformer(
-            layers=row.layers, hidden=row.hidden, heads=row.heads, seq_len=row.seq_len, vocab=row.vocab,
+            layers=row.layers, hidden=row.hidden, heads=row.heads, seq_len=row.seq_len, vocab=vocab,
             ffn_hidden=row.ffn_hidden, kv_heads=row.kv_heads, arch=row.arch, dtype=row.dtype,
             **stack.model_kernels(), dropout=row.dropout,
             tie_embeddings=row.tie_embeddings, name=row.model)
