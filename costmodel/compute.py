@@ -104,6 +104,23 @@ def _aligned(g: Gemm, shape: tuple[float, float, float, float], dtype: str) -> b
     return all(float(d) % elements == 0 for d in rows)
 
 
+@lru_cache(maxsize=4096)   # a uniform stack asks for the same block at every layer
+def unaligned_rows(layer: LayerSpec, tp: int, dtype: str, fp8_cast: tuple | None = None) -> tuple[float, ...]:
+    """The row lengths (elements, on one rank of ``tp``) of ``layer``'s GEMMs that are not
+    whole multiples of 16 bytes (:func:`_aligned`), distinct and sorted: where the library's
+    fallback kernels run."""
+    fp8 = _fp8_layer(layer, fp8_cast)
+    rows: set[float] = set()
+    for g in layer.gemms_fwd + layer.gemms_bwd:
+        shape = g.shape(1, tp)
+        kind = "fp8" if fp8 and _fp8_gemm(g) else dtype
+        if not _aligned(g, shape, kind):
+            m, n, k, _ = shape
+            dims = (m, n, k) if g.batch_dim == "count" else (n, k) if g.batch_dim == "m" else (m, n)
+            rows.update(d for d in dims if float(d) % (ALIGNMENT_BYTES / DTYPE_BYTES[kind]))
+    return tuple(sorted(rows))
+
+
 def _gemms_time(device, eff, gemms: tuple[Gemm, ...], micro_batch: int, tp: int, dtype: str,
                 select=lambda g: True, ep: int = 1, load: float = 1.0, fp8: bool = False) -> float:
     """Seconds of the selected GEMMs; with ``fp8``, those of linear layers (see

@@ -17,7 +17,7 @@ from autoplan.units import DTYPE_BYTES, GiB
 from costmodel import experts
 from costmodel.calibration import Calibration
 from costmodel.comm import collective_time, p2p_time
-from costmodel.compute import ProfileSource, layer_timing
+from costmodel.compute import ALIGNMENT_BYTES, ProfileSource, layer_timing, unaligned_rows
 from costmodel.context import context_shard, stage_exchange
 from costmodel.efficiency import achieved_memory_bandwidth, default_efficiency
 from costmodel.host import host_costs, layer_host_kernels, pipeline_host_time, with_host
@@ -166,6 +166,36 @@ class Estimate:
                                              "total": m.total / GiB} for m in self.memory_by_group],
             "sources": dict(self.sources), "inputs": dict(self.inputs),
         }
+
+
+def _alignment_note(model: ModelSpec, cluster: Cluster, plan: Plan, stack: Stack, sources: dict[str, str]) -> str:
+    """What the estimate's inputs say of GEMMs whose rows are not 16-byte aligned on an
+    accelerator timed by the roofline (a vocabulary or head size that is not a multiple of 8
+    in a 2-byte type): the fallback rate they are charged at, or that the device has none
+    measured and their time is optimistic; empty when every row is aligned."""
+    found: dict[str, set] = {}
+    for g, group in enumerate(plan.groups):
+        devices = [d for d in _group_devices(cluster, group.ranks)
+                   if is_accelerator(d.name) and sources.get(d.name) != "measured"]
+        if not devices:
+            continue
+        for s in plan.stages_of_group(g):
+            for layer in model.layers[plan.stages[s].start:plan.stages[s].end]:
+                rows = unaligned_rows(layer, group.tp, plan.dtype, stack.fp8_cast)
+                if rows:
+                    for d in devices:
+                        found.setdefault(d.name, set()).add((layer.kind, rows))
+    per_row = int(ALIGNMENT_BYTES / DTYPE_BYTES[plan.dtype])
+    notes = []
+    for name, where in sorted(found.items()):
+        parts = " and ".join(f"the {kind}'s GEMMs read rows of {', '.join(f'{r:g}' for r in rows)} elements"
+                             for kind, rows in sorted(where))
+        rate = default_efficiency(name).unaligned_matmul
+        how = (f"charged at {rate:g} of the aligned rate (measured)" if rate < 1 else
+               "charged as aligned, optimistic, as no fallback rate is measured for this device")
+        notes.append(f"on {name} {parts}, not 16-byte aligned (a multiple of {per_row} would be): {how}")
+    # (No semicolons: the estimate's inputs print as one '; '-separated line.)
+    return ", and ".join(notes)
 
 
 def _group_devices(cluster: Cluster, ranks) -> list:
@@ -528,6 +558,9 @@ def estimate(model: ModelSpec, cluster: Cluster, plan: Plan, options: EstimateOp
         inputs["host"] = (f"{host_s:.3g} s of host work per step"
                           + (" (its kernels counted under autocast, the casts included)" if autocast else "") + ", "
                           + ("calibrated" if calibrated else f"stack {stack.name} defaults"))
+    alignment = _alignment_note(model, cluster, plan, stack, sources)
+    if alignment:
+        inputs["alignment"] = alignment
     inputs["interval"] = time_band.source or "none"
     return Estimate(
         plan=plan, iteration_time_s=T, tokens_per_s=tokens / T, samples_per_s=samples / T,

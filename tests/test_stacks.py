@@ -561,3 +561,29 @@ def test_the_committed_h100_profile_holds_the_gpu_work_within_a_fifth():
     results = gpu_step_profile.check(rows)
     assert len(results) == 13
     assert all(abs(c["busy_error"]) < 0.20 for c in results), results
+
+
+# (device, stack, vocabulary, head size, what the estimate's inputs say of alignment; None:
+# nothing). autoplan's runtime keeps the vocabulary as given; Megatron-LM pads it to 128 x tp
+# and keeps explicit attention, whose batched products read rows of the head size.
+ALIGNMENT_NOTE_CASES = {
+    "unpadded-vocab-on-h100": ("H100", "autoplan", 50257, 64, "the head's GEMMs read rows of 50257 elements"
+                               ", not 16-byte aligned (a multiple of 8 would be): charged at 0.18"),
+    "unpadded-vocab-on-a100": ("A100-80GB", "autoplan", 50257, 64, "charged as aligned, optimistic"),
+    "megatron-pads-the-vocab": ("H100", "megatron-lm-2021", 50257, 64, None),
+    "odd-head-size-on-h100": ("H100", "megatron-lm-2021", 50257, 150, "the block's GEMMs read rows of 150 elements"),
+    "cpu-processes": ("CPU", "autoplan", 50257, 64, None),
+}
+
+
+@pytest.mark.parametrize("case", list(ALIGNMENT_NOTE_CASES), ids=list(ALIGNMENT_NOTE_CASES))
+def test_estimate_says_where_gemm_rows_are_unaligned(case):
+    device, stack, vocab, head, says = ALIGNMENT_NOTE_CASES[case]
+    model = autoplan.models.transformer(layers=2, hidden=head * 4, heads=4, seq_len=256, vocab=vocab)
+    cluster = autoplan.Cluster.homogeneous(device, 1, 2)
+    plan = autoplan.Plan.uniform(model, cluster, tp=1, pp=1, dp=2, micro_batch=2, global_batch=4)
+    note = autoplan.estimate(model, cluster, plan, stack=stack).inputs.get("alignment")
+    if says is None:
+        assert note is None
+    else:
+        assert says in note and ";" not in note   # (the inputs print as one '; '-separated line)
