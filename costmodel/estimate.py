@@ -99,9 +99,10 @@ class Estimate:
     """Every rank's peak is within its device's memory."""
     breakdown: dict[str, float]
     """Seconds on the critical rank: compute, tp_communication, ep_communication (expert
-    dispatch and combine), bubble, dp_communication, optimizer; and 'host' where the step
-    waits on a host slower than its device (``costmodel.host``). They add up to the
-    iteration time."""
+    dispatch and combine), bubble, dp_communication, optimizer (the step and what follows the
+    pipeline with it: the ZeRO-1/2 parameter all-gather, a tied embedding's gradient sum
+    between the first and last stage); and 'host' where the step waits on a host slower than
+    its device (``costmodel.host``). They add up to the iteration time."""
     bubble_fraction: float
     timeline: list[Event] = field(repr=False, default_factory=list)
     sources: dict[str, str] = field(default_factory=dict)
@@ -393,9 +394,10 @@ def stage_costs(model: ModelSpec, cluster: Cluster, plan: Plan, options: Estimat
 
 def _optimizer_time(model: ModelSpec, cluster: Cluster, plan: Plan, g: int, stack: Stack,
                     calibration: Calibration | None = None) -> tuple[float, float]:
-    """(Adam step, plus a CPU calibration's overhead per step; exposed post-step parameter
-    all-gather) for one pipeline group. (An accelerator's host overhead runs beside its
-    device: ``host_time``.)"""
+    """(Adam step, plus a CPU calibration's overhead per step and, on the first and last
+    stage's groups, the tied embedding's gradient sum (:func:`tied_grad_time`); exposed
+    post-step parameter all-gather) for one pipeline group. (An accelerator's host overhead
+    runs beside its device: ``host_time``.)"""
     group = plan.groups[g]
     layers = [l for s in plan.stages if s.group == g for l in model.layers[s.start:s.end]]
     params, sharded = experts.state_params(layers, group.tp, plan.ep)
@@ -406,11 +408,32 @@ def _optimizer_time(model: ModelSpec, cluster: Cluster, plan: Plan, g: int, stac
         step += max((c.step_overhead_s or 0.0 for d in _group_devices(cluster, group.ranks)
                      if (c := calibration.device(d.name)) is not None and not is_accelerator(d.name)),
                     default=0.0)
+    ends = (plan.stages[0].group, plan.stages[-1].group)
+    if g in ends:
+        step += tied_grad_time(model, cluster, plan.groups[ends[0]], plan.groups[ends[1]], plan.zero, stack)
     gather = 0.0
     if plan.zero in (1, 2) and group.dp * group.cp > 1 and not stack.overlap_param_gather:
         # Overlapped, the gather of updated parameters runs under the next forward.
         gather = _worst(cluster, group.dp_cp_groups(), params * DTYPE_BYTES[plan.dtype], "all_gather")
     return step, gather
+
+
+def tied_grad_time(model: ModelSpec, cluster: Cluster, first: DeviceGroup, last: DeviceGroup, zero: int,
+                   stack: Stack) -> float:
+    """Seconds the pipeline groups of the first and the last stage each spend summing a tied
+    embedding's gradient with the head's copy of it (``ModelSpec.shared_params``) when they
+    differ: an all-reduce between the two ranks at the same (replica, sequence shard, tensor
+    shard) position, after the backward and before the optimizer step (Megatron-LM's
+    embedding group, DeepSpeed's tied-module reduction, autoplan's runtime). Each rank's table
+    is its tensor shard, and its data-parallel shard too where gradients are sharded
+    (ZeRO-2/3), in the dtype the stack keeps gradients in."""
+    if not model.shared_params or first is last:
+        return 0.0
+    per_rank = model.shared_params / min(first.tp, last.tp)
+    if zero >= 2:
+        per_rank /= min(first.dp * first.cp, last.dp * last.cp)
+    return _worst(cluster, list(zip(first.ranks, last.ranks)), per_rank * stack.gradient_bytes_per_param,
+                  "all_reduce")
 
 
 def _degrees(plan: Plan, group: DeviceGroup) -> tuple:

@@ -375,6 +375,8 @@ def pipeline_time(sk: Skeleton, st: Setting, figs: Sequence[StageFigures], table
         group = sk.groups[g]
         local = sum(f.zero_params for f in figs[g::P]) / (group.dp * group.cp) if st.zero >= 1 else params
         opt = local * tables.optimizer_rate(sk.kinds[g].pool) + tables.step_overhead(sk.kinds[g].pool)
+        if g in (0, P - 1):
+            opt += tables.tied_grad(sk, st.zero)
         if st.zero in (1, 2) and group.dp * group.cp > 1 and gather_after_step:
             opt += tables.dp_collective(group, params * w, "all_gather")
         end = max(end, pipe - drain + exposed + opt)
@@ -406,13 +408,15 @@ def simulated(st: Setting, pp: int) -> bool:
 
 
 def _tails(tables: Tables, sk: Skeleton, st: Setting, figs: Sequence[StageFigures]) -> tuple[list, list]:
-    """Per group: (optimizer step, exposed ZeRO-1/2 parameter all-gather), as the cost model."""
+    """Per group: (optimizer step, with the tied embedding's gradient sum on the first and last
+    group; exposed ZeRO-1/2 parameter all-gather), as the cost model."""
     opt, post = [], []
     for g in range(sk.pp):
         params = sum(f.params for f in figs[g::sk.pp])
         group = sk.groups[g]
         local = sum(f.zero_params for f in figs[g::sk.pp]) / (group.dp * group.cp) if st.zero >= 1 else params
-        opt.append(local * tables.optimizer_rate(sk.kinds[g].pool) + tables.step_overhead(sk.kinds[g].pool))
+        opt.append(local * tables.optimizer_rate(sk.kinds[g].pool) + tables.step_overhead(sk.kinds[g].pool)
+                   + (tables.tied_grad(sk, st.zero) if g in (0, sk.pp - 1) else 0.0))
         post.append(tables.dp_collective(group, params * tables.weight_bytes, "all_gather")
                     if st.zero in (1, 2) and group.dp * group.cp > 1 and not tables.stack.overlap_param_gather
                     else 0.0)

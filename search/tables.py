@@ -171,6 +171,7 @@ class Tables:
         # Per-instance caches (an lru_cache on methods would keep every search's tables alive).
         self._affine: dict = {}
         self._dp_affines: dict = {}
+        self._tied: dict = {}
         self._p2p: dict = {}
         self._p2p_classes: dict = {}
         self._opt_rate: dict = {}
@@ -438,6 +439,18 @@ class Tables:
                 (a + b * nbytes if nbytes > 0 else 0.0)
             out = t if out is None else np.maximum(out, t)
         return out
+
+    def tied_grad(self, sk, zero: int) -> float:
+        """Seconds the first and the last pipeline group each spend summing a tied embedding's
+        gradient: exactly ``costmodel.estimate.tied_grad_time`` (0 without a pipeline)."""
+        first, last = sk.groups[0], sk.groups[-1]
+        key = (id(first), id(last), zero)
+        hit = self._tied.get(key)
+        if hit is None or hit[0] is not first or hit[1] is not last:
+            from costmodel.estimate import tied_grad_time
+            hit = self._tied[key] = (first, last, tied_grad_time(self.model, self.cluster, first, last, zero,
+                                                                 self.stack))
+        return hit[2]
 
     def expert_dp_collective(self, group: DeviceGroup, ep: int, nbytes: float, kind: str) -> float:
         """Slowest collective over the ranks of ``group`` that hold the same experts."""

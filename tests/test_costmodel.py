@@ -1,6 +1,7 @@
 """The simulator and cost terms agree with the closed forms they must reproduce."""
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import replace
 
 import pytest
@@ -285,3 +286,51 @@ def test_unaligned_rate_is_the_h100_measurement():
     rates = [3 / sum(s_per_flop) / dev.peak("bf16") for s_per_flop in layers.values()]
     assert len(rates) == 18
     assert statistics.median(rates) / eff.matmul == pytest.approx(eff.unaligned_matmul, abs=0.01)
+
+
+# ---------------------------------------------------------------- tied embeddings
+# (tied, pp, tp, dp, zero): the seconds the first and last stage spend summing the table's
+# gradient, relative to the tied pp=2 / tp=1 / zero=1 case ("base")
+TIED_CASES = {
+    "no-pipeline": (True, 1, 1, 2, 1, "zero"),
+    "untied": (False, 2, 1, 2, 1, "zero"),
+    "base": (True, 2, 1, 2, 1, "base"),
+    "tensor-shards-halve-it": (True, 2, 2, 1, 1, "less"),
+    "zero2-shards-it-over-dp": (True, 2, 1, 2, 2, "less"),
+}
+
+
+@pytest.mark.parametrize("case", list(TIED_CASES), ids=list(TIED_CASES))
+def test_tied_embedding_gradients_are_summed_between_the_pipeline_ends(case):
+    from autoplan.stacks import get_stack
+    from costmodel.comm import collective_time
+    from costmodel.estimate import EstimateOptions, estimate, tied_grad_time
+    tied, pp, tp, dp, zero, expect = TIED_CASES[case]
+    cluster = autoplan.Cluster.homogeneous("V100", 2, 2, inter_node_GBps=1.0)   # a pipeline group per node
+    stack = get_stack("megatron-lm-2021")
+
+    def build(tied, pp, tp, dp, zero):
+        model = autoplan.models.transformer(layers=4, hidden=256, heads=4, seq_len=128, vocab=4096,
+                                            tie_embeddings=tied)
+        plan = autoplan.Plan.uniform(model, cluster, tp=tp, pp=pp, dp=dp, micro_batch=1, global_batch=8, zero=zero)
+        first, last = plan.groups[plan.stages[0].group], plan.groups[plan.stages[-1].group]
+        return model, plan, tied_grad_time(model, cluster, first, last, zero, stack)
+
+    _, base_plan, base = build(True, 2, 1, 2, 1)
+    pair = (base_plan.groups[0].ranks[0], base_plan.groups[1].ranks[0])
+    # The whole table's gradient, in the stack's gradient dtype, between two nodes.
+    assert base == pytest.approx(collective_time(cluster, pair, 4096 * 256 * stack.gradient_bytes_per_param,
+                                                 "all_reduce")) and base > 0
+    model, plan, t = build(tied, pp, tp, dp, zero)
+    if expect == "zero":
+        assert t == 0.0
+    elif expect == "base":
+        assert t == base
+    else:
+        assert 0 < t < 0.75 * base
+    # It follows the backward on the pipeline's ends, with the optimizer step: the step takes
+    # that much longer than with the same spec untied.
+    options = EstimateOptions(stack=stack)
+    untied = dataclasses.replace(model, shared_params=0.0)
+    assert estimate(model, cluster, plan, options).iteration_time_s - \
+        estimate(untied, cluster, plan, options).iteration_time_s == pytest.approx(t, rel=1e-6, abs=1e-12)

@@ -213,12 +213,13 @@ def test_open_choices_take_the_fastest_fitting_plan(built):
     row = dataclasses.replace(given, micro_batch=None, recompute=None)
     res = T.evaluate_row(row)
     assert set(res.chosen) == {"micro_batch", "recompute"}
-    model = T.model_for(row, get_stack(row.stack))
+    stack = dataclasses.replace(get_stack(row.stack), **row.stack_overrides)   # as evaluate_row runs it
+    model = T.model_for(row, stack)
     fitting = []
     for _, plans in T.candidate_plans(row, model):
         assert [p.recompute for p in plans] == list(T.RECOMPUTE_ORDER)
         for plan in plans:
-            est = estimate(model, row.cluster, plan, stack=row.stack)
+            est = estimate(model, row.cluster, plan, stack=stack)
             if est.fits:
                 fitting.append(est.iteration_time_s)
     assert fitting and res.est.fits and res.est.iteration_time_s == pytest.approx(min(fitting))

@@ -772,7 +772,12 @@ def amp_trials() -> list:
             measured_time_s=_num(r.iter_time_s),
             confidence="high" if kind == "homogeneous" else "medium (rank-to-GPU order inferred)",
             group="16 x T4" if kind == "homogeneous" else "12 x V100 + 4 x T4",
-            note="DeepSpeed fp16 optimizer without ZeRO: fp16 gradients (the stack: fp32), no ZeRO buckets"))
+            # DeepSpeed's fp16 optimizer without ZeRO keeps the fp16 gradients autograd writes
+            # (the tied embedding's are all-reduced so between the first and last stage) and
+            # allocates no ZeRO buckets; its data-parallel all-reduce runs in fp32
+            # (fp32_allreduce), as the stack's does.
+            stack_overrides=dict(gradient_bytes_per_param=2.0, dp_buffer_bytes=0.0),
+            note="DeepSpeed fp16 optimizer without ZeRO: fp16 gradients, no ZeRO buckets, fp32 all-reduce"))
     return out
 
 
@@ -819,8 +824,8 @@ SOURCES: tuple[Source, ...] = (
     Source("AMP GPT-2 trials", amp_trials, "megatron-deepspeed",
            "AMP ran Megatron-LM v1.1.5's model code on DeepSpeed's pipeline engine (explicit attention, Apex fused "
            "LayerNorm, gradients reduced after the pipeline flush, blocking p2p), which is what this stack "
-           "describes; the deepspeed stack is DeepSpeed ZeRO with HuggingFace models and FlashAttention. Not "
-           "matched: AMP's fp16 optimizer keeps fp16 gradients (the stack: fp32) and allocates no ZeRO buckets"),
+           "describes; the deepspeed stack is DeepSpeed ZeRO with HuggingFace models and FlashAttention. AMP's "
+           "fp16 optimizer keeps fp16 gradients (the stack: fp32) and allocates no ZeRO buckets: both set per row"),
 )
 
 
