@@ -153,6 +153,32 @@ def test_closed_form_is_close_to_the_simulation(case):
                    [s.recompute for s in plan.stages])[0].time_s == pytest.approx(est.iteration_time_s, rel=0.05)
 
 
+# One GPU per node on a 1 GB/s network: each stage's sends take about as long as its work,
+# so a micro-batch's round trip, not the busiest stage, sets the pipeline's period.
+SLOW_LINKS = {
+    "1f1b-m64": dict(schedule="1f1b"),
+    "zero-bubble-m64": dict(schedule="zero-bubble"),
+    "interleaved-m64": dict(schedule="interleaved-1f1b", virtual_stages=2),
+}
+
+
+@pytest.mark.parametrize("case", SLOW_LINKS, ids=list(SLOW_LINKS))
+def test_closed_form_follows_the_round_trip_when_sends_are_slow(case):
+    model = models.transformer(layers=12, hidden=1024, heads=16, seq_len=1024, vocab=32000)
+    cluster = Cluster.homogeneous("A100", 4, 1, inter_node_GBps=1.0)
+    plan = Plan.uniform(model, cluster, tp=1, pp=4, dp=1, micro_batch=4, global_batch=256, **SLOW_LINKS[case])
+    tables = Tables(model, cluster)
+    sk, st = skeleton_of(plan, cluster), setting_of(plan)
+    figs = stage_figures(tables, sk, st, [(s.start, s.end) for s in plan.stages], [s.recompute for s in plan.stages])
+    assert not simulated(st, sk.pp)   # (long enough for the closed form)
+    busiest = max(sum(f.forward + f.backward for f in figs[g::sk.pp]) for g in range(sk.pp))
+    sends = sum(f.send_forward for f in figs)
+    assert sends > 0.5 * busiest      # the regime this case is about
+    closed = pipeline_time(sk, st, figs, tables, tables.options.blocking_p2p, tables.options.overlap_grad_reduce)
+    est = estimate(model, cluster, plan)
+    assert closed == pytest.approx(est.iteration_time_s - est.breakdown.get("host", 0.0), rel=0.1)
+
+
 @pytest.mark.parametrize("case", list(CASES) + list(LONG), ids=list(CASES) + list(LONG))
 def test_work_floor_and_memory_check_agree_with_the_analysis(case):
     """The search skips costing a split whose ranks' compute alone (work_floor) is too slow,
