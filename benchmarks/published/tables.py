@@ -658,9 +658,11 @@ def bloom_sweep() -> list:
             group="BF16 optimizer (fp32 gradients)" if bf16_optimizer else "ZeRO-1 before it (2-byte gradients)",
             # DeepSpeed's ZeRO-1 optimizer reduces each gradient to the rank owning its
             # partition (stage_1_and_2.py average_tensor, reduce_scatter=True) in the
-            # parameters' 2-byte dtype, where the BF16 optimizer all-reduces fp32 gradients.
+            # parameters' 2-byte dtype, where the BF16 optimizer all-reduces fp32 gradients;
+            # nor had it the BF16 optimizer's per-micro-batch passes over the gradients.
             stack_overrides={} if bf16_optimizer else dict(sharded_grad_collective="reduce_scatter",
-                                                           grad_reduce_bytes_per_param=2.0),
+                                                           grad_reduce_bytes_per_param=2.0,
+                                                           weight_grad_traffic_bytes_per_param=0.0),
             note="2nd-iteration time only"))
     return out
 
@@ -775,8 +777,10 @@ def amp_trials() -> list:
             # DeepSpeed's fp16 optimizer without ZeRO keeps the fp16 gradients autograd writes
             # (the tied embedding's are all-reduced so between the first and last stage) and
             # allocates no ZeRO buckets; its data-parallel all-reduce runs in fp32
-            # (fp32_allreduce), as the stack's does.
-            stack_overrides=dict(gradient_bytes_per_param=2.0, dp_buffer_bytes=0.0),
+            # (fp32_allreduce), as the stack's does, and it has none of the BF16 optimizer's
+            # per-micro-batch passes over the gradients.
+            stack_overrides=dict(gradient_bytes_per_param=2.0, dp_buffer_bytes=0.0,
+                                 weight_grad_traffic_bytes_per_param=0.0),
             note="DeepSpeed fp16 optimizer without ZeRO: fp16 gradients, no ZeRO buckets, fp32 all-reduce"))
     return out
 
