@@ -514,6 +514,8 @@ TRAFFIC_CASES = {
     "autoplan-embedding-lookup-reads-uncast": ("autoplan", 0, True),
     "megatron-core-block": ("megatron-core", 1, False),
     "torchtitan-head": ("torchtitan", -1, False),
+    # DeepSpeed's BF16 optimizer passes over the gradients on every micro-batch.
+    "megatron-deepspeed-block": ("megatron-deepspeed", 1, True),
 }
 
 
