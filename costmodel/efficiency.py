@@ -25,7 +25,7 @@ Sources of the defaults:
   rows that are not 16-byte aligned: none was measured on an A100 here, and the H100's is a
   ratio to Hopper's own aligned kernels (TMA and wgmma), which Ampere lacks. That there is
   one BigScience's 2022 sweep shows (Megatron-DeepSpeed, explicit attention): its runs whose head
-  size is not a multiple of 8 took 52% longer than predicted on average against 20% for the
+  size is not a multiple of 8 took 52% longer than predicted on average against 18% for the
   rest, and the same layout at hidden 14,400 (heads not a multiple of 8 wide) against 13,824
   ran 221 s against 160 s (train/tr11-176B-ml/chronicles-prequel.md, 02-20), 1.38x where the
   model gives 1.09x (1.10x at 96 heads).
