@@ -374,8 +374,7 @@ def pipeline_time(sk: Skeleton, st: Setting, figs: Sequence[StageFigures], table
     # exposed gradient reduction and optimizer step follow.
     end = 0.0
     drain = 0.0
-    w = tables.weight_bytes
-    gather_after_step = not tables.stack.overlap_param_gather
+    opt, post = _tails(tables, sk, st, figs)
     for g in range(P):
         if g > 0:
             drain += figs[g - 1].backward + figs[g].send_backward
@@ -386,15 +385,7 @@ def pipeline_time(sk: Skeleton, st: Setting, figs: Sequence[StageFigures], table
         if reduce > 0:
             exposed = (max(reduce - tail_action, last.grad_reduce / max(last.units, 1))
                        if overlap_grad_reduce else reduce)
-        params = sum(f.params for f in figs[g::P])
-        group = sk.groups[g]
-        local = sum(f.zero_params for f in figs[g::P]) / (group.dp * group.cp) if st.zero >= 1 else params
-        opt = local * tables.optimizer_rate(sk.kinds[g].pool) + tables.step_overhead(sk.kinds[g].pool)
-        if g in (0, P - 1):
-            opt += tables.tied_grad(sk, st.zero)
-        if st.zero in (1, 2) and group.dp * group.cp > 1 and gather_after_step:
-            opt += tables.dp_collective(group, params * w, "all_gather")
-        end = max(end, pipe - drain + exposed + opt)
+        end = max(end, pipe - drain + exposed + opt[g] + post[g])
     return end
 
 
