@@ -436,10 +436,15 @@ def tied_grad_time(model: ModelSpec, cluster: Cluster, first: DeviceGroup, last:
                   "all_reduce")
 
 
-def _degrees(plan: Plan, group: DeviceGroup) -> tuple:
+def group_degrees(group: DeviceGroup, zero: int, pp: int, ep: int, schedule: str, dtype: str) -> tuple:
     """(data x context shards, zero, pp, tp, ep, schedule, dtype) of a pipeline group: what
-    ``Stack.traffic_for`` and ``Stack.computes_under_autocast`` decide by."""
-    return group.dp * group.cp, plan.zero, plan.pp, group.tp, plan.ep, plan.schedule, plan.dtype
+    ``Stack.traffic_for`` and ``Stack.computes_under_autocast`` decide by (the search asks
+    with its skeletons and settings, the estimate with its plan)."""
+    return group.dp * group.cp, zero, pp, group.tp, ep, schedule, dtype
+
+
+def _degrees(plan: Plan, group: DeviceGroup) -> tuple:
+    return group_degrees(group, plan.zero, plan.pp, plan.ep, plan.schedule, plan.dtype)
 
 
 def host_time(model: ModelSpec, cluster: Cluster, plan: Plan, options: EstimateOptions) -> float:

@@ -26,7 +26,7 @@ from costmodel.comm import collective_time, p2p_time
 from costmodel.compute import layer_timing
 from costmodel.context import context_shard, stage_exchange
 from costmodel.efficiency import achieved_memory_bandwidth
-from costmodel.estimate import EstimateOptions, device_timing_inputs
+from costmodel.estimate import EstimateOptions, device_timing_inputs, group_degrees, tied_grad_time
 from costmodel.host import HostCosts, host_costs, layer_host_kernels
 from costmodel.memory import activation_bytes, communicators, transient_bytes
 from costmodel.redistribute import layout_comm
@@ -199,8 +199,7 @@ class Tables:
         return t
 
     def _degrees(self, sk, st, g: int) -> tuple:
-        group = sk.groups[g]
-        return (group.dp * group.cp, st.zero, sk.pp, sk.kinds[g].tp, sk.ep, st.schedule, self.dtype)
+        return group_degrees(sk.groups[g], st.zero, sk.pp, sk.ep, st.schedule, self.dtype)
 
     def traffic(self, sk, st, g: int) -> tuple | None:
         """The stack's own traffic as group ``g`` of skeleton ``sk`` under setting ``st``
@@ -447,7 +446,6 @@ class Tables:
         key = (id(first), id(last), zero)
         hit = self._tied.get(key)
         if hit is None or hit[0] is not first or hit[1] is not last:
-            from costmodel.estimate import tied_grad_time
             hit = self._tied[key] = (first, last, tied_grad_time(self.model, self.cluster, first, last, zero,
                                                                  self.stack))
         return hit[2]
