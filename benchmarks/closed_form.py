@@ -30,7 +30,7 @@ if str(ROOT) not in sys.path:
 from autoplan import Cluster, Plan, models  # noqa: E402
 from costmodel import estimate  # noqa: E402
 from search.evaluate import Setting, Skeleton, pipeline_time, simulated, stage_figures  # noqa: E402
-from search.tables import Kind, Tables  # noqa: E402
+from search.tables import Tables  # noqa: E402
 
 LINKS_GBPS = (0.5, 2.0, 12.5, 100.0)
 STAGES = (2, 4, 8)
@@ -41,10 +41,7 @@ MICRO_BATCHES = (1, 4)
 def closed_and_simulated(model, cluster: Cluster, plan: Plan) -> tuple[float, float]:
     """(the search's closed-form time, the cost model's simulated device time) of ``plan``."""
     tables = Tables(model, cluster)
-    sk = Skeleton(groups=plan.groups, kinds=tuple(Kind(cluster.slots[g.ranks[0]].group, g.tp, g.cp, plan.cp_comm,
-                                                       plan.ep) for g in plan.groups))
-    st = Setting(plan.micro_batch, plan.num_micro_batches, plan.schedule, plan.virtual_stages, plan.zero,
-                 plan.sequence_parallel)
+    sk, st = Skeleton.of_plan(plan, cluster), Setting.of_plan(plan)
     assert not simulated(st, sk.pp), "the sweep is meant for programs the search times by the closed form"
     figs = stage_figures(tables, sk, st, [(s.start, s.end) for s in plan.stages], [s.recompute for s in plan.stages])
     options = tables.options

@@ -56,6 +56,12 @@ class Skeleton:
     def cp(self) -> int:
         return self.groups[0].cp
 
+    @classmethod
+    def of_plan(cls, plan: Plan, cluster) -> "Skeleton":
+        """The skeleton a plan's device groups make on ``cluster``."""
+        return cls(groups=plan.groups, kinds=tuple(Kind(cluster.slots[g.ranks[0]].group, g.tp, g.cp, plan.cp_comm,
+                                                        plan.ep) for g in plan.groups))
+
     @cached_property
     def shards(self) -> int:
         """Ranks over which gradients are reduced and ZeRO shards: data x context."""
@@ -82,6 +88,12 @@ class Setting:
     """ZeRO stage 0-3."""
     sequence_parallel: bool
     """Megatron sequence parallelism (only meaningful where tp > 1)."""
+
+    @classmethod
+    def of_plan(cls, plan: Plan) -> "Setting":
+        """A plan's setting."""
+        return cls(plan.micro_batch, plan.num_micro_batches, plan.schedule, plan.virtual_stages, plan.zero,
+                   plan.sequence_parallel)
 
 
 @dataclass

@@ -32,13 +32,11 @@ MOE = models.transformer(layers=6, hidden=1024, heads=16, seq_len=1024, vocab=32
 
 
 def skeleton_of(plan: Plan, cluster: Cluster) -> Skeleton:
-    return Skeleton(groups=plan.groups, kinds=tuple(Kind(cluster.slots[g.ranks[0]].group, g.tp, g.cp, plan.cp_comm,
-                                                         plan.ep) for g in plan.groups))
+    return Skeleton.of_plan(plan, cluster)
 
 
 def setting_of(plan: Plan) -> Setting:
-    return Setting(plan.micro_batch, plan.num_micro_batches, plan.schedule, plan.virtual_stages, plan.zero,
-                   plan.sequence_parallel)
+    return Setting.of_plan(plan)
 
 
 def mixed_plan(cluster: Cluster, schedule: str, zero: int, recompute: str, sp: bool) -> Plan:
