@@ -87,21 +87,25 @@ ALIGNMENT_BYTES = 16
 """Row alignment the GEMM libraries' fast kernels load with (cuBLAS, CUTLASS: 128-bit loads)."""
 
 
-def _aligned(g: Gemm, shape: tuple[float, float, float, float], dtype: str) -> bool:
-    """Whether every row the GEMM loads on this rank is a whole multiple of 16 bytes: a linear
-    layer's two weight dimensions (the token dimension is never a row length); all three of
-    an attention's batched product, each of which is the row length of one of its operands
-    as stored (queries, keys, values and their gradients are rows of the head size, scores
-    rows of the sequence length). A head size that is not a multiple of 8 in a 2-byte type
-    also misaligns each head's base address in the [sequence, batch x heads, head size]
-    layout Megatron's batched products read."""
+def _rows(g: Gemm, shape: tuple[float, float, float, float]) -> tuple[float, ...]:
+    """The row lengths a GEMM loads, in elements: a linear layer's two weight dimensions (the
+    token dimension is never a row length); all three of an attention's batched product,
+    each of which is the row length of one of its operands as stored (queries, keys, values
+    and their gradients are rows of the head size, scores rows of the sequence length). A
+    head size that is not a multiple of 8 in a 2-byte type also misaligns each head's base
+    address in the [sequence, batch x heads, head size] layout Megatron's batched products
+    read."""
     m, n, k, _ = shape
     if g.batch_dim == "count":
-        rows = (m, n, k)
-    else:
-        rows = (n, k) if g.batch_dim == "m" else (m, n)
+        return m, n, k
+    return (n, k) if g.batch_dim == "m" else (m, n)
+
+
+def _aligned(g: Gemm, shape: tuple[float, float, float, float], dtype: str) -> bool:
+    """Whether every row the GEMM loads on this rank (:func:`_rows`) is a whole multiple of
+    16 bytes."""
     elements = ALIGNMENT_BYTES / DTYPE_BYTES[dtype]
-    return all(float(d) % elements == 0 for d in rows)
+    return all(float(d) % elements == 0 for d in _rows(g, shape))
 
 
 @lru_cache(maxsize=4096)   # a uniform stack asks for the same block at every layer
@@ -112,12 +116,8 @@ def unaligned_rows(layer: LayerSpec, tp: int, dtype: str, fp8_cast: tuple | None
     fp8 = _fp8_layer(layer, fp8_cast)
     rows: set[float] = set()
     for g in layer.gemms_fwd + layer.gemms_bwd:
-        shape = g.shape(1, tp)
-        kind = "fp8" if fp8 and _fp8_gemm(g) else dtype
-        if not _aligned(g, shape, kind):
-            m, n, k, _ = shape
-            dims = (m, n, k) if g.batch_dim == "count" else (n, k) if g.batch_dim == "m" else (m, n)
-            rows.update(d for d in dims if float(d) % (ALIGNMENT_BYTES / DTYPE_BYTES[kind]))
+        elements = ALIGNMENT_BYTES / DTYPE_BYTES["fp8" if fp8 and _fp8_gemm(g) else dtype]
+        rows.update(d for d in _rows(g, g.shape(1, tp)) if float(d) % elements)
     return tuple(sorted(rows))
 
 
