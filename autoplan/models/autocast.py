@@ -73,12 +73,10 @@ class AutocastEmulation(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func in _LOWER:
-            args = tuple(self._cast(a, self.dtype) for a in args)
-            kwargs = {k: self._cast(v, self.dtype) for k, v in kwargs.items()}
-        elif func in _FP32_CAST:
-            args = tuple(self._cast(a, torch.float32) for a in args)
-            kwargs = {k: self._cast(v, torch.float32) for k, v in kwargs.items()}
+        to = self.dtype if func in _LOWER else torch.float32 if func in _FP32_CAST else None
+        if to is not None:
+            args = tuple(self._cast(a, to) for a in args)
+            kwargs = {k: self._cast(v, to) for k, v in kwargs.items()}
         elif func in _FP32_DTYPE and kwargs.get("dtype") is None and args and isinstance(args[0], torch.Tensor) \
                 and args[0].is_floating_point() and args[0].dtype != torch.float32:
             kwargs = {**kwargs, "dtype": torch.float32}
