@@ -16,9 +16,20 @@ class DataParallelChoice:
     """'none' (dp = 1), 'ddp' (DistributedDataParallel, ZeRO-0), 'replicate' (FSDP-family
     replicate, ZeRO-0 where DDP cannot run) or 'fully_shard' (FSDP2)."""
     reshard_after_forward: bool
-    """FSDP2: free gathered parameters after each unit's forward (true ZeRO-3)."""
+    """FSDP2: free gathered parameters after each unit's forward (true ZeRO-3). Otherwise
+    the gathered parameters stay from the step's first forward to its last backward."""
     note: str
     """One line for logs and the run record: what the plan's zero stage became."""
+    reduce_every_micro_batch: bool = False
+    """FSDP2: reduce-scatter the gradients in every micro-batch's backward, so a rank keeps
+    only its shard of them (ZeRO-2 and -3). Otherwise they accumulate whole, in the reduce
+    dtype, and are reduced once, in the step's last backward (ZeRO-1)."""
+
+    @property
+    def shards_weights(self) -> bool:
+        """The rank keeps only its shard of the parameters between steps: FSDP2 shards the
+        parameters it wraps at every ZeRO stage (they are also what the optimizer updates)."""
+        return self.wrapper == "fully_shard"
 
     @property
     def under_autocast(self) -> bool:
@@ -47,19 +58,28 @@ def data_parallel_choice(dp: int, zero: int, pp: int, tp: int = 1, schedule: str
         why = "tensor-parallel weights" if tp > 1 else "expert-parallel weights" if ep > 1 else "pipeline stages"
         return DataParallelChoice("replicate", False, f"ZeRO-0: replicate (FSDP-family all-reduce; DDP cannot "
                                   f"run {why})")
-    if zero in (1, 2):
-        return DataParallelChoice("fully_shard", False,
-                                  f"ZeRO-{zero}: approximated by FSDP2 with reshard_after_forward=False "
-                                  "(optimizer states and gradients sharded; parameters stay gathered "
-                                  "from forward to backward)")
     if pp > 1:
-        # FSDP2 with reshard_after_forward=True under pipelining computes silently wrong
-        # gradients with the split-backward (zero-bubble) schedules; torchtitan never
-        # reshards after forward under PP, and neither do we, for every schedule.
+        # torch.distributed.pipelining's stages keep FSDP from resharding and reducing until
+        # the step's last backward (PipelineStage.perform_reduce_grad), and FSDP2 with
+        # reshard_after_forward=True under pipelining computes silently wrong gradients with
+        # the split-backward (zero-bubble) schedules; torchtitan never reshards after forward
+        # under PP, and neither do we. So every stage runs as ZeRO-1 does.
         return DataParallelChoice("fully_shard", False,
-                                  "ZeRO-3 under pipelining: FSDP2 with reshard_after_forward=False "
-                                  "(resharded after each stage's backward)")
-    return DataParallelChoice("fully_shard", True, "ZeRO-3: FSDP2 with reshard_after_forward=True")
+                                  f"ZeRO-{zero} under pipelining: FSDP2 with reshard_after_forward=False; the "
+                                  "pipeline keeps gathered parameters and whole gradients until the step's last "
+                                  "backward (as ZeRO-1)")
+    if zero == 1:
+        return DataParallelChoice("fully_shard", False,
+                                  "ZeRO-1: FSDP2 with reshard_after_forward=False (parameters and optimizer "
+                                  "states sharded; parameters stay gathered and gradients whole until the "
+                                  "step's last backward)")
+    if zero == 2:
+        return DataParallelChoice("fully_shard", False,
+                                  "ZeRO-2: FSDP2 with reshard_after_forward=False (parameters stay gathered "
+                                  "through the step; gradients reduce-scattered every micro-batch)",
+                                  reduce_every_micro_batch=True)
+    return DataParallelChoice("fully_shard", True, "ZeRO-3: FSDP2 with reshard_after_forward=True",
+                              reduce_every_micro_batch=True)
 
 
 def runs_under_autocast(dp: int, zero: int, pp: int, tp: int = 1, schedule: str = "1f1b", ep: int = 1) -> bool:

@@ -53,6 +53,7 @@ CASES_2 = {
     "dp-ddp": ("gpt-tiny", make_plan(dp=2, m=2)),
     "dp-ddp-gpipe-order": ("llama-tiny", make_plan(dp=2, m=3, schedule="gpipe")),
     "zero1": ("llama-tiny", make_plan(dp=2, m=2, zero=1)),
+    "zero2": ("llama-tiny", make_plan(dp=2, m=2, zero=2)),       # gradients reduce-scattered every micro-batch
     "zero3": ("gpt-tiny", make_plan(dp=2, m=2, zero=3, recompute="full")),
     "tp": ("llama-tiny", make_plan(tp=2, m=2)),
     "tp-sp": ("gpt-tiny", make_plan(tp=2, m=2, sp=True, recompute="selective")),

@@ -146,24 +146,26 @@ def test_zoo_styles_map_to_dtensor_styles(name):
 
 
 DP_CASES = {
-    # name: (dp, zero, pp[, tp, schedule, ep]) -> (wrapper, reshard_after_forward)
-    "dp1": ((1, 3, 1), ("none", False)),
-    "zero0": ((2, 0, 1), ("ddp", False)),
-    "zero0-under-pp": ((2, 0, 2), ("replicate", False)),
-    "zero0-with-tp": ((2, 0, 1, 2), ("replicate", False)),
-    "zero0-with-ep": ((2, 0, 1, 1, "1f1b", 2), ("replicate", False)),
-    "zero1": ((2, 1, 1), ("fully_shard", False)),
-    "zero2": ((2, 2, 2), ("fully_shard", False)),
-    "zero3": ((2, 3, 1), ("fully_shard", True)),
-    "zero3-under-pp": ((2, 3, 2), ("fully_shard", False)),
+    # name: (dp, zero, pp[, tp, schedule, ep]) -> (wrapper, reshard_after_forward, reduce_every_micro_batch)
+    "dp1": ((1, 3, 1), ("none", False, False)),
+    "zero0": ((2, 0, 1), ("ddp", False, False)),
+    "zero0-under-pp": ((2, 0, 2), ("replicate", False, False)),
+    "zero0-with-tp": ((2, 0, 1, 2), ("replicate", False, False)),
+    "zero0-with-ep": ((2, 0, 1, 1, "1f1b", 2), ("replicate", False, False)),
+    "zero1": ((2, 1, 1), ("fully_shard", False, False)),
+    "zero2": ((2, 2, 1), ("fully_shard", False, True)),
+    "zero3": ((2, 3, 1), ("fully_shard", True, True)),
+    "zero2-under-pp": ((2, 2, 2), ("fully_shard", False, False)),
+    "zero3-under-pp": ((2, 3, 2), ("fully_shard", False, False)),
 }
 
 
 @pytest.mark.parametrize("name", list(DP_CASES), ids=list(DP_CASES))
 def test_data_parallel_choice(name):
-    args, (wrapper, reshard) = DP_CASES[name]
+    args, expected = DP_CASES[name]
     choice = data_parallel_choice(*args)
-    assert (choice.wrapper, choice.reshard_after_forward) == (wrapper, reshard)
+    assert (choice.wrapper, choice.reshard_after_forward, choice.reduce_every_micro_batch) == expected
+    assert choice.shards_weights == (choice.wrapper == "fully_shard")
     assert choice.note
 
 

@@ -19,6 +19,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.nn.parallel import DistributedDataParallel
 from torch.nn.parallel.distributed import _find_tensors
 
+from autoplan.data_parallel import DataParallelChoice
 from autoplan.schedule import ScheduleProgram
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -34,8 +35,11 @@ class LocalExecutor:
     to do; the gradients are the same."""
 
     def __init__(self, stage: torch.nn.Module, program: ScheduleProgram, loss_fn: LossFn,
-                 device: torch.device, before_compute: Callable[[], None] | None = None):
+                 device: torch.device, choice: DataParallelChoice,
+                 before_compute: Callable[[], None] | None = None):
         self.stage = stage
+        self.choice = choice
+        """How the stage was wrapped for data parallelism: when FSDP reduces and reshards."""
         self.before_compute = before_compute or (lambda: None)
         """Called at the start of every run, right before the first real forward."""
         self.actions = program.ranks[0]
@@ -70,9 +74,13 @@ class LocalExecutor:
                 last = backwards == m_total
                 loss = pending.pop(m)
                 if sharded:
-                    # Reduce (reduce-scatter / all-reduce) gradients once, on the last
-                    # backward of the iteration; earlier ones accumulate locally.
-                    self.stage.set_requires_gradient_sync(last)
+                    # ZeRO-1 reduces the gradients once, in the step's last backward, and
+                    # accumulates them whole before; ZeRO-2/3 reduce-scatter every
+                    # micro-batch's and keep their shard. ZeRO-1/2 keep the gathered
+                    # parameters until the last backward (one all-gather per step); ZeRO-3
+                    # frees them after each unit's backward.
+                    self.stage.set_requires_gradient_sync(last or self.choice.reduce_every_micro_batch)
+                    self.stage.set_reshard_after_backward(last or self.choice.reshard_after_forward)
                 if ddp and last:
                     self.stage.reducer.prepare_for_backward(list(_find_tensors(loss)))
                 with self.stage.no_sync() if ddp and not last else contextlib.nullcontext():

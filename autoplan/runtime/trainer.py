@@ -303,7 +303,7 @@ class Trainer:
         reset = (lambda: start_step(self.balance)) if self.balance else None
         if lay.pp == 1:
             self.executor = LocalExecutor(self.stage_modules[lay.stage_ids[0]], self.program, loss, self.device,
-                                          before_compute=reset)
+                                          self.dp_choice, before_compute=reset)
         else:
             self.executor = PipelineExecutor(self.stage_modules, len(plan.stages), self.program, loss,
                                              self.device, self.mesh["pp"].get_group(), before_compute=reset)
