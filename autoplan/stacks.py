@@ -81,6 +81,19 @@ class Stack:
     """Optimizer moments (Adam's m and v in fp32 = 8)."""
     gathered_weights_bytes_per_param: float = 2.0
     """Bytes per parameter of the full weights ZeRO-3 gathers for the unit being run."""
+    weights_sharded_from_zero: int = 3
+    """The ZeRO stage from which a rank keeps only its shard of the weight copy
+    (``weights_bytes_per_param``): 3 as in ZeRO; 1 where ZeRO-1 and -2 run on FSDP, which
+    shards the parameters it wraps at every stage (their half-precision compute copy, if
+    any, is ``weight_cast_bytes_per_param`` and stays whole below ZeRO-3)."""
+    reduce_every_micro_batch_from_zero: int = 3
+    """The ZeRO stage from which every micro-batch's backward reduce-scatters its gradients
+    over the data-parallel group (charged per micro-batch, beside the backward); below it
+    they accumulate and are reduced once per step. 3 as ZeRO-3 does everywhere."""
+    pipeline_max_zero: int = 3
+    """The highest ZeRO stage a pipelined plan really runs at: where the pipeline keeps the
+    gathered weights and whole gradients until the step's last backward, a higher stage
+    runs as this one (``realized_zero``)."""
     zero3_copy_bytes_per_param: float = 0.0
     """Memory traffic per parameter of a stage, every micro-batch, that ZeRO-3 adds on the
     compute stream besides its collectives (FSDP2 copies gathered weights out to the
@@ -228,6 +241,9 @@ class Stack:
         if self.activation_traffic_scale <= 0:
             raise ConfigError(f"stack {self.name}.activation_traffic_scale",
                               f"must be > 0, got {self.activation_traffic_scale}")
+        for name in ("weights_sharded_from_zero", "reduce_every_micro_batch_from_zero", "pipeline_max_zero"):
+            if not 1 <= getattr(self, name) <= 3:
+                raise ConfigError(f"stack {self.name}.{name}", f"must be a ZeRO stage 1-3, got {getattr(self, name)!r}")
         if self.allocator_fragmentation >= 1:
             raise ConfigError(f"stack {self.name}.allocator_fragmentation",
                               f"must be < 1, got {self.allocator_fragmentation}")
@@ -315,10 +331,17 @@ class Stack:
             return "all_reduce"
         return self.sharded_grad_collective if zero < 3 else "reduce_scatter"
 
+    def realized_zero(self, zero: int, pp: int) -> int:
+        """The ZeRO stage a plan at stage ``zero`` with ``pp`` pipeline stages runs at on
+        this stack (see ``pipeline_max_zero``)."""
+        return min(zero, self.pipeline_max_zero) if pp > 1 else zero
+
     def state_bytes_per_param(self, dp: int, zero: int) -> float:
-        """Bytes of weights, gradients and optimizer state per parameter on one rank."""
+        """Bytes of weights, gradients and optimizer state per parameter on one rank at the
+        (realized) ZeRO stage ``zero``."""
         shard = lambda stage: dp if zero >= stage else 1  # noqa: E731
-        return (self.weights_bytes_per_param / shard(3) + self.gradient_bytes_per_param / shard(2)
+        return (self.weights_bytes_per_param / shard(self.weights_sharded_from_zero)
+                + self.gradient_bytes_per_param / shard(2)
                 + (self.master_weights_bytes_per_param + self.optimizer_bytes_per_param) / shard(1))
 
     def to_dict(self) -> dict:

@@ -41,7 +41,7 @@ MICRO_BATCHES = (1, 4)
 def closed_and_simulated(model, cluster: Cluster, plan: Plan) -> tuple[float, float]:
     """(the search's closed-form time, the cost model's simulated device time) of ``plan``."""
     tables = Tables(model, cluster)
-    sk, st = Skeleton.of_plan(plan, cluster), Setting.of_plan(plan)
+    sk, st = Skeleton.of_plan(plan, cluster), Setting.of_plan(plan, tables.stack)
     assert not simulated(st, sk.pp), "the sweep is meant for programs the search times by the closed form"
     figs = stage_figures(tables, sk, st, [(s.start, s.end) for s in plan.stages], [s.recompute for s in plan.stages])
     options = tables.options

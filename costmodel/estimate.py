@@ -245,6 +245,7 @@ def stage_costs(model: ModelSpec, cluster: Cluster, plan: Plan, options: Estimat
     b, sp, dtype, cp = plan.micro_batch, plan.sequence_parallel, plan.dtype, plan.cp
     stack = options.stack
     ep, load = plan.ep, plan_expert_load(model, plan, options)
+    zero = stack.realized_zero(plan.zero, plan.pp)
     out = []
     n = len(plan.stages)
     # Collective and transfer times depend only on the ranks and the bytes: the units of a
@@ -343,7 +344,7 @@ def stage_costs(model: ModelSpec, cluster: Cluster, plan: Plan, options: Estimat
         expert_local = experts.expert_params(layers, tp) / ep if ep > 1 else 0.0
         dense = params - experts.expert_params(layers, tp) if ep > 1 else params
         edp_groups = group.expert_dp_groups(ep) if ep > 1 else []
-        if plan.zero >= 3 and dp > 1:
+        if zero >= 3 and dp > 1:
             # Parameters are gathered for the forward and again for the backward, and
             # gradients reduce-scattered, every micro-batch; prefetching hides what the
             # compute can cover.
@@ -363,8 +364,17 @@ def stage_costs(model: ModelSpec, cluster: Cluster, plan: Plan, options: Estimat
             bwd_i += extra
             bwd += extra
             reduce = 0.0
+        elif dp > 1 and zero >= stack.reduce_every_micro_batch_from_zero:
+            # Every micro-batch's gradients are reduce-scattered as its backward produces
+            # them, overlapped with the rest of it.
+            scatter = experts.grad_reduce_time(cluster, dp_groups, edp_groups, dense * stack.grad_reduce_bytes_per_param,
+                                               expert_local * stack.grad_reduce_bytes_per_param, "reduce_scatter")
+            extra = max(0.0, scatter - bwd)
+            bwd_i += extra
+            bwd += extra
+            reduce = 0.0
         elif dp > 1:
-            kind = stack.grad_reduce_kind(plan.zero)
+            kind = stack.grad_reduce_kind(zero)
             reduce = experts.grad_reduce_time(cluster, dp_groups, edp_groups, dense * stack.grad_reduce_bytes_per_param,
                                               expert_local * stack.grad_reduce_bytes_per_param, kind)
         else:
@@ -399,9 +409,10 @@ def _optimizer_time(model: ModelSpec, cluster: Cluster, plan: Plan, g: int, stac
     post-step parameter all-gather) for one pipeline group. (An accelerator's host overhead
     runs beside its device: ``host_time``.)"""
     group = plan.groups[g]
+    zero = stack.realized_zero(plan.zero, plan.pp)
     layers = [l for s in plan.stages if s.group == g for l in model.layers[s.start:s.end]]
     params, sharded = experts.state_params(layers, group.tp, plan.ep)
-    shard = sharded / (group.dp * group.cp) if plan.zero >= 1 else params
+    shard = sharded / (group.dp * group.cp) if zero >= 1 else params
     step = max(shard * stack.optimizer_traffic_bytes_per_param / achieved_memory_bandwidth(d)
                for d in _group_devices(cluster, group.ranks))
     if calibration is not None:
@@ -410,9 +421,9 @@ def _optimizer_time(model: ModelSpec, cluster: Cluster, plan: Plan, g: int, stac
                     default=0.0)
     ends = (plan.stages[0].group, plan.stages[-1].group)
     if g in ends:
-        step += tied_grad_time(model, cluster, plan.groups[ends[0]], plan.groups[ends[1]], plan.zero, stack)
+        step += tied_grad_time(model, cluster, plan.groups[ends[0]], plan.groups[ends[1]], zero, stack)
     gather = 0.0
-    if plan.zero in (1, 2) and group.dp * group.cp > 1 and not stack.overlap_param_gather:
+    if zero in (1, 2) and group.dp * group.cp > 1 and not stack.overlap_param_gather:
         # Overlapped, the gather of updated parameters runs under the next forward.
         gather = _worst(cluster, group.dp_cp_groups(), params * DTYPE_BYTES[plan.dtype], "all_gather")
     return step, gather
@@ -507,6 +518,7 @@ def estimate(model: ModelSpec, cluster: Cluster, plan: Plan, options: EstimateOp
 
     # Memory per group.
     load = plan_expert_load(model, plan, options)
+    zero = stack.realized_zero(plan.zero, plan.pp)
     act_scale = options.calibration.activation_scale if options.calibration else 1.0
     extra = options.calibration.memory_overhead_bytes if options.calibration else 0.0
     memory_by_group, memory_by_rank, device_mem = [], {}, {}
@@ -515,11 +527,11 @@ def estimate(model: ModelSpec, cluster: Cluster, plan: Plan, options: EstimateOp
         stage_layers = [model.layers[plan.stages[s].start:plan.stages[s].end] for s in stage_ids]
         layers = [l for ls in stage_layers for l in ls]
         shards = group.dp * group.cp   # weights are sharded over data and context ranks
-        states = model_state_bytes(layers, group.tp, shards, plan.zero, stack, plan.ep)
+        states = model_state_bytes(layers, group.tp, shards, zero, stack, plan.ep)
         transient = max(_transient(model, cluster, plan, s, stack, load) for s in stage_ids)
         accelerator = any(is_accelerator(d.name) for d in _group_devices(cluster, group.ranks))
         mem = group_memory(states, sim.peak_activation_bytes[g] * act_scale, transient * act_scale,
-                           optimizer_step_bytes(layers, group.tp, shards, plan.zero, stack, plan.ep),
+                           optimizer_step_bytes(layers, group.tp, shards, zero, stack, plan.ep),
                            communicators(group.tp, shards, group.cp, plan.pp, plan.ep), shards, stack,
                            accelerator)
         mem.buffers += extra
@@ -579,6 +591,9 @@ def estimate(model: ModelSpec, cluster: Cluster, plan: Plan, options: EstimateOp
         inputs[dev] = {"measured": "measured layer profile", "calibrated": "roofline, calibrated",
                        "roofline": "roofline, default efficiencies", "mixed": "measured profile and roofline"}[src]
     inputs["memory"] = f"stack {stack.name}" + (", calibrated" if options.calibration else " defaults")
+    if zero != plan.zero:
+        inputs["zero"] = (f"ZeRO-{plan.zero} runs as ZeRO-{zero} under pipelining on stack {stack.name}: the pipeline "
+                          "keeps the gathered weights and whole gradients until the step's last backward")
     if host_s > 0:
         calibrated = options.calibration is not None and any(
             options.calibration.device(node_group.device.name) is not None for node_group in cluster.groups)

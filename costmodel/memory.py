@@ -84,7 +84,7 @@ def model_state_bytes(layers: Sequence[LayerSpec], tp: int, dp: int, zero: int, 
     (routed experts split over ``ep`` ranks, see ``costmodel.experts.state_params``)."""
     held, sharded = experts.state_params(layers, tp, ep)
     per = lambda stage: sharded / dp if zero >= stage else held  # noqa: E731
-    weights = per(3) * stack.weights_bytes_per_param
+    weights = per(stack.weights_sharded_from_zero) * stack.weights_bytes_per_param
     if zero >= 3 and dp > 1 and layers:
         # FSDP / ZeRO-3 gathers one unit at a time and prefetches the next.
         biggest = max(experts.state_params([l], tp, ep)[0] for l in layers)

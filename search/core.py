@@ -304,17 +304,23 @@ class _Search:
             return self.c.sequence_parallel
         return (min(self.c.sequence_parallel),)
 
-    def zero_options(self, shards: int) -> tuple[int, ...]:
-        """ZeRO stages worth trying over ``shards`` data x context ranks (without any,
-        ZeRO shards nothing: one stage stands for all)."""
-        return self.c.zero if shards > 1 else (min(self.c.zero),)
+    def zero_options(self, shards: int, pp: int = 1) -> tuple[int, ...]:
+        """ZeRO stages worth trying over ``shards`` data x context ranks and ``pp`` pipeline
+        stages (without any data ranks, ZeRO shards nothing: one stage stands for all).
+        Under pipelining, the stages the stack runs the allowed ones at
+        (``Stack.realized_zero``): a plan is labelled with what it runs."""
+        if shards == 1:
+            return (min(self.c.zero),)
+        if pp > 1:
+            return tuple(sorted({self.tables.stack.realized_zero(z, pp) for z in self.c.zero}))
+        return self.c.zero
 
     def settings(self, sk: Skeleton, b: int, sp: bool):
         """(setting, ZeRO stages it stands for) of a skeleton at micro-batch ``b``."""
         P, dp, shards = sk.pp, sk.dp, sk.shards
         # Settings that change nothing are tried once: ZeRO without data (or context)
         # parallelism, sequence parallelism without tensor parallelism (see sequence_parallel()).
-        zeros = self.zero_options(shards)
+        zeros = self.zero_options(shards, P)
         # ZeRO 0-2 share a time bound (they differ in memory and in the gradient
         # reduction only); ZeRO-3 adds gathers to every micro-batch.
         low = tuple(z for z in zeros if z < 3 or shards == 1)
@@ -825,7 +831,7 @@ class _Search:
                         # fill and sends, which rules most micro-batch sizes out at once.
                         pipelinings = list(self._pipelinings(sk.pp, sk.dp, b))
                         tight = self.bounds.item_bound(si, sk, b, sp, pipelinings,
-                                                       max(self.zero_options(sk.shards)))
+                                                       max(self.zero_options(sk.shards, sk.pp)))
                         if bound < tight < INF:
                             heapq.heappush(heap, (tight, cnt, 1, (si, b, sp, True)))
                             bounds_s += time.perf_counter() - t

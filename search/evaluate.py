@@ -25,6 +25,7 @@ import numpy as np
 
 from autoplan.models.spec import ModelSpec
 from autoplan.plan import DeviceGroup, Plan, Stage
+from autoplan.stacks import Stack
 from costmodel.host import pipeline_host_time, with_host
 from search.inflight import inflight
 from search.tables import RECOMPUTES, Kind, Tables
@@ -90,10 +91,11 @@ class Setting:
     """Megatron sequence parallelism (only meaningful where tp > 1)."""
 
     @classmethod
-    def of_plan(cls, plan: Plan) -> "Setting":
-        """A plan's setting."""
-        return cls(plan.micro_batch, plan.num_micro_batches, plan.schedule, plan.virtual_stages, plan.zero,
-                   plan.sequence_parallel)
+    def of_plan(cls, plan: Plan, stack: Stack) -> "Setting":
+        """A plan's setting, at the ZeRO stage the plan runs at on ``stack``
+        (``Stack.realized_zero``: the search's settings are always realized)."""
+        return cls(plan.micro_batch, plan.num_micro_batches, plan.schedule, plan.virtual_stages,
+                   stack.realized_zero(plan.zero, plan.pp), plan.sequence_parallel)
 
 
 @dataclass
@@ -201,16 +203,22 @@ class _GroupFigures:
             stack = tables.stack
             t = tables.table(sk.kinds[g], st.micro_batch, st.sequence_parallel, (sk, st, g)).scalars
             shards = group.dp * group.cp
+            # (Under pipelining the search's stages are those the stack runs there:
+            # st.zero is realized, see Space.zero_options.)
+            every = shards > 1 and st.zero >= stack.reduce_every_micro_batch_from_zero
             if st.zero >= 3 and shards > 1:
                 colls = ((stack.gathered_weights_bytes_per_param, tables.dp_affines(group, "all_gather"), "all_gather"),
                          (stack.grad_reduce_bytes_per_param, tables.dp_affines(group, "reduce_scatter"),
                           "reduce_scatter"))
+            elif every:
+                colls = ((stack.grad_reduce_bytes_per_param, tables.dp_affines(group, "reduce_scatter"),
+                          "reduce_scatter"),)
             elif shards > 1:
                 kind = stack.grad_reduce_kind(st.zero)
                 colls = ((stack.grad_reduce_bytes_per_param, tables.dp_affines(group, kind), kind),)
             else:
                 colls = ()
-            hit = self._of[g] = (t, group, shards, colls)
+            hit = self._of[g] = (t, group, shards, colls, every)
         return hit
 
     def stage(self, j: int, n: int, a: int, b: int, mode: str) -> StageFigures:
@@ -218,7 +226,7 @@ class _GroupFigures:
         tables, sk = self.tables, self.sk
         P = sk.pp
         g = j % P
-        t, group, shards, colls = self._group(g)
+        t, group, shards, colls, every = self._group(g)
         q = RECOMPUTES.index(mode)
         fwd = t["cum_forward"][b] - t["cum_forward"][a]
         cbi = t["cum_backward_input"][q]
@@ -245,6 +253,9 @@ class _GroupFigures:
             on_compute, beside = tables.zero3_copy_rates(sk.kinds[g].pool)
             bi += params * on_compute
             bi += max(0.0, gather + scatter + params * beside - (bi + bw))
+        elif every:
+            # Reduce-scattered every micro-batch, beside its backward (as the cost model).
+            bi += max(0.0, collective(*colls[0]) - (bi + bw))
         elif colls:
             reduce = collective(*colls[0])
         send_f = send_b = 0.0

@@ -326,7 +326,8 @@ class Tables:
         stack = self.stack
         if sharded is not None and zero >= 1:
             per = lambda stage: sharded / dp if zero >= stage else params  # noqa: E731
-            total = (per(3) * stack.weights_bytes_per_param + per(2) * stack.gradient_bytes_per_param
+            total = (per(stack.weights_sharded_from_zero) * stack.weights_bytes_per_param
+                     + per(2) * stack.gradient_bytes_per_param
                      + per(1) * (stack.master_weights_bytes_per_param + stack.optimizer_bytes_per_param))
         else:
             total = params * stack.state_bytes_per_param(dp, zero)

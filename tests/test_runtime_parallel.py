@@ -146,6 +146,7 @@ def _equivalence(rank: int, model: str, plan: Plan, options: dict | None = None)
                      if n.endswith("experts.w1") and hasattr(p, "to_local")}
     return {"losses": [r.loss for r in records], "grad_norms": [r.grad_norm for r in records],
             "load_balancing": [r.load_balancing_loss for r in records], "local_experts": local_experts,
+            "model_state_bytes": trainer.memory().model_state_bytes,
             "grads": grads if lay.dp_rank == 0 and lay.cp_rank == 0 and lay.tp_rank == 0 else {}}
 
 
@@ -402,6 +403,43 @@ def test_four_ranks_match_single_process(name):
 @pytest.mark.parametrize("name", list(CASES_8), ids=list(CASES_8))
 def test_eight_ranks_match_single_process(name):
     _check(CASES_8, 8, name)
+
+
+STATE_CASES = ("dp-ddp", "zero1", "zero2", "zero3", "olmo2-zero1")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", STATE_CASES, ids=STATE_CASES)
+def test_zero_stages_keep_what_the_memory_model_says(name):
+    """After a step every rank holds its weights, optimizer states and the step's reduced
+    gradients: the weights and optimizer states as the memory model counts them on stack
+    autoplan (FSDP2 keeps only a shard of the fp32 weights from ZeRO-1 on:
+    ``weights_sharded_from_zero``), and the gradients reduced to a shard at every FSDP
+    stage (ZeRO-1 holds them whole only while they accumulate) or whole under DDP. fp32 on
+    CPU: the weights and gradients take 4 bytes a parameter, SGD's momentum 4."""
+    from autoplan.models.extract import spec_from_config
+    from autoplan.stacks import get_stack
+    from costmodel.memory import model_state_bytes
+
+    model, plan, *_ = CASES_2[name]
+    stack = get_stack("autoplan")
+    sgd = dataclasses.replace(stack, weights_bytes_per_param=4, gradient_bytes_per_param=4,
+                              master_weights_bytes_per_param=0, optimizer_bytes_per_param=4)
+    layers = spec_from_config(get_config(model), dtype="fp32").layers
+    dp = plan.groups[0].dp
+    held = model_state_bytes(layers, 1, dp, plan.zero, sgd)
+    params = model_state_bytes(layers, 1, 1, 0, sgd).optimizer / 4
+    gathered = 2 * max(model_state_bytes([l], 1, 1, 0, sgd).optimizer / 4 for l in layers) * \
+        sgd.gathered_weights_bytes_per_param if plan.zero >= 3 else 0.0
+    grads = 4 * params / (dp if plan.zero >= 1 else 1)
+    expected = held.weights - gathered + held.optimizer + grads
+    for r in group(2)[name]:
+        assert "error" not in r, r
+        assert r["model_state_bytes"] == pytest.approx(expected, rel=1e-9)
+    if plan.zero >= 1:
+        # The point of sharding from ZeRO-1: a quarter of what DDP keeps (16 bytes a
+        # parameter on one rank against 8 on each of two).
+        assert held.weights - gathered == 4 * params / dp
 
 
 @pytest.mark.slow

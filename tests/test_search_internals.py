@@ -35,8 +35,8 @@ def skeleton_of(plan: Plan, cluster: Cluster) -> Skeleton:
     return Skeleton.of_plan(plan, cluster)
 
 
-def setting_of(plan: Plan) -> Setting:
-    return Setting.of_plan(plan)
+def setting_of(plan: Plan, tables: Tables) -> Setting:
+    return Setting.of_plan(plan, tables.stack)
 
 
 def mixed_plan(cluster: Cluster, schedule: str, zero: int, recompute: str, sp: bool) -> Plan:
@@ -105,7 +105,7 @@ def test_stage_costs_and_memory_equal_the_cost_model(case):
     cluster, plan, model = CASES[case]
     plan.validate(model, cluster)
     tables = Tables(model, cluster)
-    sk, st = skeleton_of(plan, cluster), setting_of(plan)
+    sk, st = skeleton_of(plan, cluster), setting_of(plan, tables)
     bounds = [(s.start, s.end) for s in plan.stages]
     rec = [s.recompute for s in plan.stages]
     analysis, figs = analyze(tables, sk, st, bounds, rec)
@@ -141,7 +141,7 @@ LONG = {
 def test_closed_form_is_close_to_the_simulation(case):
     plan = Plan.uniform(GPT, CLUSTER, **LONG[case])
     tables = Tables(GPT, CLUSTER)
-    sk, st = skeleton_of(plan, CLUSTER), setting_of(plan)
+    sk, st = skeleton_of(plan, CLUSTER), setting_of(plan, tables)
     figs = stage_figures(tables, sk, st, [(s.start, s.end) for s in plan.stages], [s.recompute for s in plan.stages])
     closed = pipeline_time(sk, st, figs, tables)
     est = estimate(GPT, CLUSTER, plan)
@@ -166,7 +166,7 @@ def test_closed_form_follows_the_round_trip_when_sends_are_slow(case):
     cluster = Cluster.homogeneous("A100", 4, 1, inter_node_GBps=1.0)
     plan = Plan.uniform(model, cluster, tp=1, pp=4, dp=1, micro_batch=4, global_batch=256, **SLOW_LINKS[case])
     tables = Tables(model, cluster)
-    sk, st = skeleton_of(plan, cluster), setting_of(plan)
+    sk, st = skeleton_of(plan, cluster), setting_of(plan, tables)
     figs = stage_figures(tables, sk, st, [(s.start, s.end) for s in plan.stages], [s.recompute for s in plan.stages])
     assert not simulated(st, sk.pp)   # (long enough for the closed form)
     busiest = max(sum(f.forward + f.backward for f in figs[g::sk.pp]) for g in range(sk.pp))
@@ -187,9 +187,9 @@ def test_work_floor_and_memory_check_agree_with_the_analysis(case):
         cluster, plan, model = CASES[case]
     else:
         cluster, plan, model = CLUSTER, Plan.uniform(GPT, CLUSTER, **LONG[case]), GPT
-    sk, st = skeleton_of(plan, cluster), setting_of(plan)
-    bounds, rec = [(s.start, s.end) for s in plan.stages], [s.recompute for s in plan.stages]
     tables = Tables(model, cluster)
+    sk, st = skeleton_of(plan, cluster), setting_of(plan, tables)
+    bounds, rec = [(s.start, s.end) for s in plan.stages], [s.recompute for s in plan.stages]
     analysis, _ = analyze(tables, sk, st, bounds, rec)
     floor = work_floor(tables, sk, st, bounds, rec)
     assert 0 < floor <= analysis.time_s * (1 + 1e-9)

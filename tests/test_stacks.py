@@ -64,8 +64,11 @@ def test_unknown_stack_is_one_line_error(value, message):
     ({"activation_traffic_scale": 0}, "activation_traffic_scale"),
     ({"vocab_multiple": 0}, "vocab_multiple"),
     ({"vocab_multiple": 12.5}, "vocab_multiple"),
+    ({"weights_sharded_from_zero": 4}, "weights_sharded_from_zero"),
+    ({"pipeline_max_zero": 0}, "pipeline_max_zero"),
 ], ids=["kernel", "negative", "fragmentation", "type", "unknown-field", "version", "collective",
-        "fp8-casts-without-fp8", "no-traffic", "vocab-multiple-zero", "vocab-multiple-fraction"])
+        "fp8-casts-without-fp8", "no-traffic", "vocab-multiple-zero", "vocab-multiple-fraction",
+        "no-such-zero-stage", "zero-stage-zero"])
 def test_bad_stack_file_names_the_field(tmp_path, edit, field):
     data = get_stack("megatron-core").to_dict() | edit
     path = tmp_path / "mine.json"
@@ -121,6 +124,42 @@ def test_zero_model_state_bytes_follow_the_stack(stack, zero, dp):
     assert got.gradients == pytest.approx(s.gradient_bytes_per_param * P / (dp if zero >= 2 else 1))
     assert got.optimizer == pytest.approx((s.master_weights_bytes_per_param + s.optimizer_bytes_per_param) * P
                                           / (dp if zero >= 1 else 1))
+
+
+# name: (zero, pp) -> (stage run, weights sharded, gradients sharded, reduced every micro-batch,
+# gathered per unit) on autoplan's runtime, 8 data-parallel ranks
+AUTOPLAN_ZERO = {
+    "zero0": ((0, 1), (0, False, False, False, False)),
+    "zero1": ((1, 1), (1, True, False, False, False)),
+    "zero2": ((2, 1), (2, True, True, True, False)),
+    "zero3": ((3, 1), (3, True, True, True, True)),
+    "zero1-pipelined": ((1, 2), (1, True, False, False, False)),
+    "zero2-pipelined-runs-as-zero1": ((2, 2), (1, True, False, False, False)),
+    "zero3-pipelined-runs-as-zero1": ((3, 4), (1, True, False, False, False)),
+}
+
+
+@pytest.mark.parametrize("name", list(AUTOPLAN_ZERO), ids=list(AUTOPLAN_ZERO))
+def test_autoplan_stack_shards_as_its_runtime_does(name):
+    """The autoplan stack's sharding fields say what autoplan.data_parallel makes the runtime
+    do (the wrapper, when FSDP reshards and reduces), and the memory model counts that."""
+    from autoplan.data_parallel import data_parallel_choice
+
+    (zero, pp), (runs, weights, grads, every, per_unit) = AUTOPLAN_ZERO[name]
+    s, dp = get_stack("autoplan"), 8
+    choice = data_parallel_choice(dp, zero, pp)
+    realized = s.realized_zero(zero, pp)
+    assert realized == runs
+    assert choice.shards_weights == weights == (realized >= s.weights_sharded_from_zero)
+    assert choice.reduce_every_micro_batch == every == (realized >= s.reduce_every_micro_batch_from_zero)
+    assert choice.reshard_after_forward == per_unit
+    layers = list(uniform_model(4, params=1e9).layers)
+    got = model_state_bytes(layers, tp=1, dp=dp, zero=realized, stack=s)
+    P = 4e9
+    assert got.weights - (2 * 1e9 * s.gathered_weights_bytes_per_param if per_unit else 0.0) == \
+        pytest.approx(4 * P / (dp if weights else 1))
+    assert got.gradients == pytest.approx(4 * P / (dp if grads else 1))
+    assert (got.casts > 0) == (not per_unit)   # the bf16 compute copy, whole below ZeRO-3
 
 
 def test_published_per_parameter_figures():
