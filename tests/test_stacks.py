@@ -162,6 +162,33 @@ def test_autoplan_stack_shards_as_its_runtime_does(name):
     assert (got.casts > 0) == (not per_unit)   # the bf16 compute copy, whole below ZeRO-3
 
 
+# name: (stack, zero, pp) -> the stage the estimate runs the plan at
+REALIZED = {
+    "autoplan-pipelined-zero3": ("autoplan", 3, 2, 1),
+    "autoplan-pipelined-zero2": ("autoplan", 2, 2, 1),
+    "autoplan-zero3-one-stage": ("autoplan", 3, 1, 3),
+    "torchtitan-pipelined-zero3": ("torchtitan", 3, 2, 3),
+}
+
+
+@pytest.mark.parametrize("name", list(REALIZED), ids=list(REALIZED))
+def test_estimate_runs_a_plan_at_the_stage_its_stack_realizes(name):
+    """A plan whose ZeRO stage the stack runs as a lower one is estimated (memory and time)
+    as that one, and the estimate's inputs say so."""
+    stack, zero, pp, runs = REALIZED[name]
+    model = autoplan.models.get("gpt2-medium")
+    cluster = autoplan.Cluster.homogeneous("A100-80GB", 1, 8)
+    plan = autoplan.Plan.uniform(model, cluster, tp=1, pp=pp, dp=8 // pp, micro_batch=1, global_batch=32,
+                                 zero=zero)
+    est = autoplan.estimate(model, cluster, plan, stack=stack)
+    same = autoplan.estimate(model, cluster, dataclasses.replace(plan, zero=runs), stack=stack)
+    assert est.memory_by_rank == same.memory_by_rank
+    assert est.iteration_time_s == same.iteration_time_s
+    assert ("zero" in est.inputs) == (runs != zero)
+    if runs != zero:
+        assert f"ZeRO-{zero} runs as ZeRO-{runs}" in est.inputs["zero"]
+
+
 def test_published_per_parameter_figures():
     # ZeRO (Rajbhandari et al. 2020, Fig. 1): 16 bytes per parameter for bf16 mixed precision
     # with Adam; Megatron-LM's distributed optimizer: 6 + 12/d with fp32 gradients.
