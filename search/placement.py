@@ -133,9 +133,6 @@ def sizings(tables: Tables, *, dp: int, micro_batch: int, num_micro_batches: int
     ones first and leave the hopeless unsolved)."""
     lean = [z for z in zeros if z < 3 or dp == 1]
     tries = ([max(lean)] if lean else []) + ([3] if 3 in zeros and dp > 1 else [])
-    # The models place pipelines: each sized at the stage a pipelined plan runs at on the
-    # stack (autoplan's runtime runs ZeRO-2/3 under pipelining as ZeRO-1), once.
-    tries = sorted({tables.stack.realized_zero(z, 2) for z in tries})
     return [Proposals(tables, dp=dp, micro_batch=micro_batch, num_micro_batches=num_micro_batches,
                       sequence_parallel=sequence_parallel, kinds=kinds, zero=z, modes=modes,
                       max_stages=max_stages, use_all_gpus=use_all_gpus, alternatives=alternatives,
