@@ -729,7 +729,19 @@ class _Search:
         stats.total_s = time.perf_counter() - t_start
         return SearchResult(ranked=ranked, stats=stats, cluster=self.cluster, model_name=self.model.name,
                             target=self.engine.name, stack=self.options.stack.name,
-                            global_batch=self.gb)
+                            global_batch=self.gb, notes=self.zero_notes())
+
+    def zero_notes(self) -> tuple[str, ...]:
+        """A line for the ZeRO stages asked for that the stack runs as a lower one under
+        pipelining, where the space holds pipelines."""
+        stack = self.tables.stack
+        higher = [z for z in self.c.zero if stack.realized_zero(z, 2) != z]
+        if not higher or self.max_pp() < 2:
+            return ()
+        runs = stack.realized_zero(max(higher), 2)
+        stages = "/".join(str(z) for z in higher)
+        return (f"stack {stack.name} runs ZeRO-{stages} with pipeline stages as ZeRO-{runs}: pipelined plans are "
+                f"estimated and labelled zero={runs}",)
 
     def _new_lean(self, skeletons: list[Skeleton]) -> list[Skeleton]:
         """The leanest pipelines of a mixed cluster (``_lean_skeletons``) not among ``skeletons``."""

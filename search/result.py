@@ -154,6 +154,9 @@ class SearchResult:
     """Engine the plans were searched for (see autoplan.engines)."""
     stack: str = "autoplan"
     """Training stack the cost model assumed."""
+    notes: tuple[str, ...] = ()
+    """Where the plans differ from the space asked for, one line each (a ZeRO stage the stack
+    runs as a lower one under pipelining)."""
 
     @property
     def best(self) -> RankedPlan:

@@ -57,6 +57,19 @@ def test_estimate_heterogeneous_plan(capsys, plan_file):
     assert "iteration" in out and "V100-SXM2-16GB" in out and "T4-16GB" in out and "capacity" in out
 
 
+def test_search_json_and_table_carry_the_notes(capsys):
+    """The search's notes (here: pipelined ZeRO-3 runs as ZeRO-1 on autoplan's runtime) reach
+    both faces of the CLI."""
+    argv = ["search", "--cluster", "examples/clusters/cpu-4ranks.json", "--model", "gpt-tiny",
+            "--global-batch", "8", "--zero", "0,3", "--no-progress"]
+    code, out, _ = run_cli(capsys, *argv, "--json")
+    assert code == 0
+    notes = json.loads(out)["notes"]
+    assert len(notes) == 1 and "as ZeRO-1" in notes[0]
+    code, out, _ = run_cli(capsys, *argv)
+    assert code == 0 and f"note: {notes[0]}" in out
+
+
 def test_estimate_json(capsys, plan_file):
     code, out, _ = run_cli(capsys, "estimate", "--cluster", "examples/clusters/small-mixed-v100-t4.json",
                            "--model", "gpt2-medium", "--plan", str(plan_file), "--json")

@@ -417,6 +417,27 @@ def test_public_api_entry_point():
     assert result.best.estimate.fits
 
 
+# name: (search keywords) -> whether the result notes that pipelined ZeRO-2/3 run as ZeRO-1
+ZERO_NOTES = {
+    "zero3-asked-with-pipelines": (dict(zero=[0, 3]), True),
+    "every-stage-by-default": (dict(), True),
+    "zero1-at-most": (dict(zero=[0, 1]), False),
+    "no-pipelines": (dict(zero=[3], pp=[1]), False),
+    "stack-that-shards-under-pipelining": (dict(zero=[0, 3], stack="torchtitan"), False),
+}
+
+
+@pytest.mark.parametrize("name", list(ZERO_NOTES), ids=list(ZERO_NOTES))
+def test_search_notes_the_zero_stages_its_stack_runs_lower(name):
+    kwargs, noted = ZERO_NOTES[name]
+    result = search(models.get("gpt-tiny"), Cluster.load("examples/clusters/cpu-4ranks.json"), 8,
+                    progress=False, **kwargs)
+    assert bool(result.notes) == noted
+    if noted:
+        assert "as ZeRO-1" in result.notes[0]
+        assert all(rp.plan.zero <= 1 for rp in result.ranked if rp.plan.pp > 1)
+
+
 def test_mixed_search_finds_a_plan_cp_sat_alone_misses():
     """GPT-3 175B on the 64-GPU three-type cluster, narrowed to dp=4, micro-batch 1, 1F1B,
     ZeRO-3 and CP-SAT placement: the pipelines CP-SAT proposes all miss memory by a little,

@@ -122,6 +122,7 @@ def run(args) -> int:
                           "ranked": [{"rank": rp.rank, "plan": rp.plan.to_dict(),
                                       "estimate": rp.estimate.to_dict(), "gpus_used": rp.gpus_used}
                                      for rp in result.ranked[:args.top_k]],
+                          "notes": list(result.notes),
                           "stats": {k: v for k, v in vars(result.stats).items() if k != "placement"}},
                          indent=2, default=str))
         return 0
@@ -132,7 +133,7 @@ def run(args) -> int:
         from autoplan.engines import get_engine
         eng = get_engine(result.target, args.engine_version)
         print(f"plans {eng.title} {eng.version} can run (autoplan export --to {eng.name})")
-    for note in cluster.assumptions():
+    for note in (*cluster.assumptions(), *result.notes):
         print(f"note: {note}")
     print()
     print(result.table(args.top_k))
