@@ -80,8 +80,9 @@ class GroupMemory:
 
 def model_state_bytes(layers: Sequence[LayerSpec], tp: int, dp: int, zero: int, stack: Stack,
                       ep: int = 1) -> ModelStateBytes:
-    """Weights, gradients and optimizer states of ``layers`` on one rank under ``stack``
-    (routed experts split over ``ep`` ranks, see ``costmodel.experts.state_params``)."""
+    """Weights, gradients and optimizer states of ``layers`` on one rank under ``stack`` at
+    ZeRO stage ``zero``, the one the plan runs at (``Stack.realized_zero``); routed experts
+    split over ``ep`` ranks, see ``costmodel.experts.state_params``."""
     held, sharded = experts.state_params(layers, tp, ep)
     per = lambda stage: sharded / dp if zero >= stage else held  # noqa: E731
     weights = per(stack.weights_sharded_from_zero) * stack.weights_bytes_per_param
@@ -92,7 +93,8 @@ def model_state_bytes(layers: Sequence[LayerSpec], tp: int, dp: int, zero: int, 
     casts = 0.0
     if stack.weight_cast_bytes_per_param and not (zero >= 3 and dp > 1):
         # Half-precision copies of fp32 weights that the matmuls read (autocast, or FSDP's
-        # unsharded compute copy); embedding tables are looked up, not cast.
+        # unsharded compute copy); embedding tables are looked up, not cast, under autocast
+        # (FSDP gathers them in bf16 too: not counted, see docs/costmodel.md).
         casts = experts.state_params([l for l in layers if l.kind != "embedding"], tp, ep)[0] * \
             stack.weight_cast_bytes_per_param
     grads = per(2) * stack.gradient_bytes_per_param
