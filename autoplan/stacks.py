@@ -46,7 +46,9 @@ class Stack:
 
     Model states are per parameter held on a rank, before ZeRO sharding: ZeRO-1 divides
     the master weights and optimizer moments by the data-parallel degree, ZeRO-2 also the
-    gradients, ZeRO-3 also the weights (Rajbhandari et al., SC20)."""
+    gradients, ZeRO-3 also the weights (Rajbhandari et al., SC20); a stack on FSDP shards
+    its weights from an earlier stage (``weights_sharded_from_zero``), and a pipelined plan
+    may run at a lower stage than it names (``realized_zero``)."""
 
     name: str
     """Short name (the file's stem)."""
