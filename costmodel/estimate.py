@@ -366,10 +366,10 @@ def stage_costs(model: ModelSpec, cluster: Cluster, plan: Plan, options: Estimat
             reduce = 0.0
         elif dp > 1 and zero >= stack.reduce_every_micro_batch_from_zero:
             # Every micro-batch's gradients are reduce-scattered as its backward produces
-            # them, overlapped with the rest of it.
+            # them, overlapped with the rest of it where the stack overlaps.
             scatter = experts.grad_reduce_time(cluster, dp_groups, edp_groups, dense * stack.grad_reduce_bytes_per_param,
                                                expert_local * stack.grad_reduce_bytes_per_param, "reduce_scatter")
-            extra = max(0.0, scatter - bwd)
+            extra = max(0.0, scatter - bwd) if options.overlap_grad_reduce else scatter
             bwd_i += extra
             bwd += extra
             reduce = 0.0

@@ -254,8 +254,10 @@ class _GroupFigures:
             bi += params * on_compute
             bi += max(0.0, gather + scatter + params * beside - (bi + bw))
         elif every:
-            # Reduce-scattered every micro-batch, beside its backward (as the cost model).
-            bi += max(0.0, collective(*colls[0]) - (bi + bw))
+            # Reduce-scattered every micro-batch, beside its backward where the stack
+            # overlaps (as the cost model).
+            scatter = collective(*colls[0])
+            bi += max(0.0, scatter - (bi + bw)) if tables.options.overlap_grad_reduce else scatter
         elif colls:
             reduce = collective(*colls[0])
         send_f = send_b = 0.0

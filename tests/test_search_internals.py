@@ -100,6 +100,39 @@ def cases():
 CASES = cases()
 
 
+# name: (stack, overlapped) for ZeRO-2 stacks that reduce-scatter every micro-batch's gradients
+EVERY_MICRO_BATCH = {
+    "autoplan-fsdp2": ("autoplan", True),
+    "deepspeed-zero2": ("deepspeed", True),
+    "not-overlapped": ("autoplan", False),
+}
+
+
+@pytest.mark.parametrize("name", list(EVERY_MICRO_BATCH), ids=list(EVERY_MICRO_BATCH))
+def test_zero2_reduce_scatter_every_micro_batch(name):
+    """Where ZeRO-2 reduce-scatters every micro-batch's gradients (FSDP2, DeepSpeed's
+    partitioned gradients) the backward carries the collective (all of it, or what its
+    compute does not hide) and the step-end reduction is gone; the search's figures say
+    the same as the cost model."""
+    stack, overlapped = EVERY_MICRO_BATCH[name]
+    options = EstimateOptions(stack=get_stack(stack), overlap_grad_reduce=overlapped)
+    plan = Plan.uniform(GPT, CLUSTER, tp=1, pp=1, dp=16, micro_batch=1, global_batch=64, zero=2)
+    once = stage_costs(GPT, CLUSTER, replace(plan, zero=1), options)[0]
+    every = stage_costs(GPT, CLUSTER, plan, options)[0]
+    assert once.grad_reduce > 0 and every.grad_reduce == 0
+    scatter = every.backward - once.backward
+    # (ZeRO-1's once-per-step reduction is the same reduce-scatter of the same bytes.)
+    if overlapped:
+        assert 0 <= scatter < once.grad_reduce
+    else:
+        assert scatter == pytest.approx(once.grad_reduce, rel=1e-12)
+    tables = Tables(GPT, CLUSTER, options=options)
+    figs = stage_figures(tables, skeleton_of(plan, CLUSTER), setting_of(plan, tables), [(0, GPT.num_layers)],
+                         ["none"])
+    assert figs[0].backward_input + figs[0].backward_weight == pytest.approx(every.backward, rel=1e-12)
+    assert figs[0].grad_reduce == 0
+
+
 @pytest.mark.parametrize("case", CASES, ids=list(CASES))
 def test_stage_costs_and_memory_equal_the_cost_model(case):
     cluster, plan, model = CASES[case]
