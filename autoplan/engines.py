@@ -144,7 +144,7 @@ ENGINES: dict[str, Engine] = {e.name: e for e in (
            schedules=("1f1b",), zero=(0, 1, 2, 3), zero_with_pipeline=(0, 1), recompute=("none", "full"),
            split="uniform-units"),
     Engine(name="torchtitan", title="torchtitan", version="0.3.0 (0.2.2 with --engine-version 0.2)",
-           zero=(0, 3), zero_with_pipeline=(0, 3), dtypes=("bf16", "fp32"),
+           zero=(0, 3), zero_with_pipeline=(0, 1, 3), dtypes=("bf16", "fp32"),
            # Ring attention only; 0.3 has no rotate-method setting and runs PyTorch's default,
            # the all-gather of keys and values.
            cp_comms=("all_gather",),

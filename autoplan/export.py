@@ -474,14 +474,16 @@ def torchtitan_settings(plan: Plan, model: "ModelSpec | None" = None, version: s
         raise ConfigError("seq_len", "the plan does not record its sequence length", "pass --model")
     parallel: dict = {}
     # FSDP2 over the data-parallel ranks is ZeRO-3 (parameters re-gathered for backward);
-    # without sharding the ranks replicate (DDP).
+    # without sharding the ranks replicate (DDP). Under pipelining FSDP2 without resharding
+    # after forward is ZeRO-1: the pipeline keeps gathered weights and whole gradients
+    # until the step's last backward (torchtitan's own default there).
     if plan.zero == 0:
         parallel["data_parallel_replicate_degree"] = dp
         parallel["data_parallel_shard_degree"] = 1
     else:
         parallel["data_parallel_replicate_degree"] = 1
         parallel["data_parallel_shard_degree"] = dp
-        parallel["fsdp_reshard_after_forward"] = "always"
+        parallel["fsdp_reshard_after_forward"] = "always" if plan.zero == 3 else "never"
     parallel["tensor_parallel_degree"] = tp
     if tp > 1 and engine.sequence_parallel_without:
         parallel["enable_sequence_parallel"] = plan.sequence_parallel

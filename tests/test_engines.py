@@ -181,6 +181,11 @@ def check_torchtitan(tt, config, plan: Plan) -> None:
         assert tr.local_batch_size // par.pipeline_parallel_microbatch_size == plan.num_micro_batches
         assert len(par.module_fqns_per_model_part) == len(plan.stages)
     assert tr.global_batch_size == plan.global_batch
+    if plan.zero and plan.dp > 1:
+        # torchtitan's own reading of the reshard policy: ZeRO-3 reshards after forward, the
+        # pipelined ZeRO-1 keeps the gathered weights.
+        from torchtitan.distributed.fsdp import get_fsdp_reshard_after_forward_policy
+        assert get_fsdp_reshard_after_forward_policy(par.fsdp_reshard_after_forward, plan.pp > 1) == (plan.zero == 3)
 
 
 @pytest.mark.parametrize("cluster_file,name,gb", ROUND_TRIPS.values(), ids=list(ROUND_TRIPS))
@@ -205,6 +210,7 @@ TORCHTITAN_PLANS = {
                                           sequence_parallel=True), [(0, 2), (2, 4), (4, 5), (5, 8)]),
     "zero-bubble-fsdp-full": (dict(tp=1, pp=4, dp=2, micro_batch=1, global_batch=16, schedule="zero-bubble",
                                    zero=3, recompute="full"), None),
+    "pipelined-fsdp-zero1": (dict(tp=1, pp=2, dp=4, micro_batch=1, global_batch=16, zero=1), None),
     "replicate-gpipe-embedding-alone": (dict(tp=1, pp=2, dp=4, micro_batch=2, global_batch=16, schedule="gpipe"),
                                         [(0, 1), (1, 8)]),
 }

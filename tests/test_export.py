@@ -356,6 +356,8 @@ TORCHTITAN_CASES = {
                                                  sequence_parallel=True),
                             expect={"data_parallel_shard_degree": 2, "data_parallel_replicate_degree": 1,
                                     "fsdp_reshard_after_forward": "always", "pipeline_parallel_schedule": "1F1B"}),
+    "fsdp-pipelined-zero1": dict(plan=lambda: uniform(tp=1, pp=2, dp=4, micro_batch=1, global_batch=16, zero=1),
+                                 expect={"data_parallel_shard_degree": 4, "fsdp_reshard_after_forward": "never"}),
     "ddp-interleaved": dict(plan=lambda: uniform(pp=2, dp=4, global_batch=32, schedule="interleaved-1f1b",
                                                  virtual_stages=2),
                             expect={"data_parallel_replicate_degree": 4, "data_parallel_shard_degree": 1,

@@ -2,6 +2,7 @@
 model, returns well-formed results, explains them, fails helpfully, and its CLI works."""
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 
@@ -12,6 +13,7 @@ from autoplan import Cluster, Plan, models
 from autoplan.cli import main
 from autoplan.errors import ConfigError, NoPlanFitsError
 from autoplan.plan import DeviceGroup, Stage
+from autoplan.stacks import get_stack
 from costmodel import EstimateOptions, estimate
 from search import search
 
@@ -423,7 +425,8 @@ ZERO_NOTES = {
     "every-stage-by-default": (dict(), True),
     "zero1-at-most": (dict(zero=[0, 1]), False),
     "no-pipelines": (dict(zero=[3], pp=[1]), False),
-    "stack-that-shards-under-pipelining": (dict(zero=[0, 3], stack="torchtitan"), False),
+    "stack-that-shards-under-pipelining": (dict(zero=[0, 3], stack="megatron-core"), False),
+    "torchtitan-on-the-same-pipelining": (dict(zero=[0, 3], stack="torchtitan"), True),
 }
 
 
@@ -443,8 +446,9 @@ def test_mixed_search_finds_a_plan_cp_sat_alone_misses():
     ZeRO-3 and CP-SAT placement: the pipelines CP-SAT proposes all miss memory by a little,
     while one H100, one A100 and one L4 device group (each node group whole, at its largest
     tp) fits. The search must not say that nothing fits; it tries the leanest pipelines first.
-    On torchtitan's stack, whose engine offers ZeRO-3 with pipelining (autoplan's runtime
-    runs ZeRO-3 under pipelining as ZeRO-1, where none of these pipelines fits)."""
+    The case needs a pipeline that shards as ZeRO-3 does: autoplan's runtime (and torchtitan)
+    run pipelined ZeRO-3 as ZeRO-1, where none of these pipelines fits, so here its stack
+    keeps ZeRO-3 under pipelining."""
     data = json.loads(open("examples/clusters/mixed-three-types.json").read())
     cluster = Cluster.from_dict(data)
     model = models.get("gpt3-175b")
@@ -453,10 +457,11 @@ def test_mixed_search_finds_a_plan_cp_sat_alone_misses():
     known = Plan(groups=groups, stages=(Stage(0, 72, 0, "full"), Stage(72, 88, 1, "full"), Stage(88, 98, 2, "full")),
                  micro_batch=1, num_micro_batches=384, schedule="1f1b", zero=3, sequence_parallel=True,
                  model=model.name, seq_len=model.seq_len)
-    ref = estimate(model, cluster, known, stack="torchtitan")
+    sharding = dataclasses.replace(get_stack("autoplan"), pipeline_max_zero=3)
+    ref = estimate(model, cluster, known, stack=sharding)
     assert ref.fits, "the case needs a plan that fits"
     result = search(model, cluster, 1536, dp=4, micro_batch=1, schedules="1f1b", zero=3,
-                    max_exhaustive_pipelines=1, progress=False, stack="torchtitan")
+                    max_exhaustive_pipelines=1, progress=False, stack=sharding)
     assert result.best.estimate.fits
     assert result.best.estimate.iteration_time_s <= ref.iteration_time_s * 1.005
 
