@@ -31,6 +31,7 @@ FlashAttention-2's speed; 'flash2': a fused kernel of FlashAttention-2's class (
 FlashAttention-2); 'flash3': Hopper-specific fused kernels (FlashAttention-3, cuDNN /
 Transformer Engine), FlashAttention-2 speed elsewhere."""
 GRAD_COLLECTIVES = ("reduce_scatter", "all_reduce")
+PIPELINE_SENDS = ("whole", "scatter_gather")
 """Collectives a ZeRO-1/2 data-parallel group may reduce its gradients with."""
 TRAFFIC_WHERE = ("always", "autocast")
 """Values of ``Stack.traffic_where``."""
@@ -209,6 +210,13 @@ class Stack:
     ring steps of Megatron-Core's p2p exchange and of PyTorch's ring attention)."""
     blocking_p2p: bool = True
     """Pipeline sends hold the sending rank until they complete (batched send/recv)."""
+    pipeline_send: str = "whole"
+    """How tensor-parallel ranks pass a stage's activation (and its gradient back) without
+    sequence parallelism: 'whole' (each sends the whole tensor to its counterpart in the
+    next stage: Megatron-Core, torch.distributed.pipelining with DTensor) or
+    'scatter_gather' (each sends 1/t of it and the receivers all-gather it over their
+    tensor-parallel group: Megatron-LM 2021's scatter/gather, DeepSpeed's PartitionedTensor).
+    Under sequence parallelism each rank sends its sequence shard either way."""
     cuda_context_bytes: float = 0.6 * GiB
     """Driver context, kernel images and library handles per GPU (outside the allocator)."""
     nccl_bytes_per_group: float = 0.25 * GiB
@@ -231,6 +239,9 @@ class Stack:
         if self.traffic_where not in TRAFFIC_WHERE:
             raise ConfigError(f"stack {self.name}.traffic_where",
                               f"{self.traffic_where!r} is not one of {list(TRAFFIC_WHERE)}")
+        if self.pipeline_send not in PIPELINE_SENDS:
+            raise ConfigError(f"stack {self.name}.pipeline_send",
+                              f"{self.pipeline_send!r} is not one of {list(PIPELINE_SENDS)}")
         if self.sharded_grad_collective not in GRAD_COLLECTIVES:
             raise ConfigError(f"stack {self.name}.sharded_grad_collective",
                               f"{self.sharded_grad_collective!r} is not one of {list(GRAD_COLLECTIVES)}")
@@ -333,6 +344,13 @@ class Stack:
             return "all_reduce"
         return self.sharded_grad_collective if zero < 3 else "reduce_scatter"
 
+    def pipeline_send_shape(self, tp: int, sequence_parallel: bool) -> tuple[bool, bool]:
+        """(each tensor-parallel rank sends 1/tp of a stage's activation, the receivers
+        all-gather it) for a stage of ``tp`` ranks (see ``pipeline_send``)."""
+        if tp == 1 or sequence_parallel:
+            return True, False
+        return (True, True) if self.pipeline_send == "scatter_gather" else (False, False)
+
     def realized_zero(self, zero: int, pp: int) -> int:
         """The ZeRO stage a plan at stage ``zero`` with ``pp`` pipeline stages runs at on
         this stack (see ``pipeline_max_zero``)."""
@@ -400,6 +418,7 @@ class Stack:
 
 
 _STR_CHOICES = {"attention": ATTENTION_KERNELS, "sharded_grad_collective": GRAD_COLLECTIVES,
+                "pipeline_send": PIPELINE_SENDS,
                 "traffic_where": TRAFFIC_WHERE}
 """Text fields and the values they accept."""
 _FILE_KEYS = {"cuda_context_bytes": "cuda_context_GiB", "nccl_bytes_per_group": "nccl_MiB_per_group",

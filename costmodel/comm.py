@@ -86,12 +86,13 @@ def _all_to_all_time(cluster: Cluster, ranks: Sequence[int], nbytes: float, eff:
 
 
 def p2p_time(cluster: Cluster, src: Sequence[Sequence[int]], dst: Sequence[Sequence[int]],
-             nbytes: float) -> float:
+             nbytes: float, split: bool = True) -> float:
     """Seconds to pass one micro-batch's activation (``nbytes`` per data-parallel replica)
     from one pipeline group to the next. ``src``/``dst`` list each replica's
     tensor-parallel ranks. Each replica sends its own micro-batch, and within a replica
-    the tensor-parallel ranks each send 1/t of it in parallel (Megatron's scatter/gather),
-    so the slowest pair link bounds the transfer."""
+    each tensor-parallel rank sends to its counterpart in parallel: 1/t of it (``split``:
+    a sequence shard, or Megatron's scatter/gather) or the whole of it; the slowest pair
+    link bounds the transfer."""
     if nbytes <= 0:
         return 0.0
     worst = 0.0
@@ -101,7 +102,7 @@ def p2p_time(cluster: Cluster, src: Sequence[Sequence[int]], dst: Sequence[Seque
     seen: set = set()
     for s_ranks, d_ranks in zip(src, dst):
         width = min(len(s_ranks), len(d_ranks))
-        share = nbytes / width
+        share = nbytes / width if split else nbytes
         for i in range(width):
             a, b = s_ranks[i], d_ranks[i]
             if a == b:

@@ -263,7 +263,12 @@ def stage_costs(model: ModelSpec, cluster: Cluster, plan: Plan, options: Estimat
         key = (id(src), id(dst), nbytes, "p2p")
         hit = memo.get(key)
         if hit is None:
-            hit = memo[key] = p2p_time(cluster, src.tp_groups(), dst.tp_groups(), nbytes)
+            split, gather = stack.pipeline_send_shape(min(src.tp, dst.tp), plan.sequence_parallel)
+            hit = p2p_time(cluster, tp_groups_of[id(src)], tp_groups_of[id(dst)], nbytes, split)
+            if gather:
+                # The receivers put the tensor together again before they compute on it.
+                hit += worst(tp_groups_of[id(dst)], nbytes, "all_gather")
+            memo[key] = hit
         return hit
 
     tp_groups_of = {id(g): g.tp_groups() for g in plan.groups}
@@ -379,8 +384,8 @@ def stage_costs(model: ModelSpec, cluster: Cluster, plan: Plan, options: Estimat
                                               expert_local * stack.grad_reduce_bytes_per_param, kind)
         else:
             reduce = 0.0
-        # The whole activation per replica, with or without sequence parallelism: p2p_time
-        # splits it over the tensor-parallel ranks (each sends 1/t).
+        # The whole activation per replica, with or without sequence parallelism: p2p says
+        # what each tensor-parallel rank sends of it (Stack.pipeline_send_shape).
         out_bytes = b * layers[-1].output_bytes
         send_f = 0.0
         if s_idx < n - 1:

@@ -264,11 +264,11 @@ class _GroupFigures:
         if j < n - 1:
             nxt = sk.groups[(j + 1) % P]
             if nxt is not group:
-                send_f = tables.p2p(group, nxt, t["output_bytes"][b - 1])
+                send_f = tables.p2p(group, nxt, t["output_bytes"][b - 1], self.st.sequence_parallel)
         if j > 0:
             prv = sk.groups[(j - 1) % P]
             if prv is not group:
-                send_b = tables.p2p(group, prv, t["output_bytes"][a - 1])
+                send_b = tables.p2p(group, prv, t["output_bytes"][a - 1], self.st.sequence_parallel)
         return StageFigures(
             forward=fwd, backward_input=bi, backward_weight=bw, send_forward=send_f, send_backward=send_b,
             grad_reduce=reduce, params=params, cast_params=mem.cast_params, activation=mem.activation,

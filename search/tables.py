@@ -457,19 +457,25 @@ class Tables:
             return 0.0
         return max(a + b * nbytes for a, b in {self.affine(tuple(r), kind) for r in group.expert_dp_groups(ep)})
 
-    def p2p(self, src: DeviceGroup, dst: DeviceGroup, nbytes: float) -> float:
+    def p2p(self, src: DeviceGroup, dst: DeviceGroup, nbytes: float, sequence_parallel: bool = False) -> float:
         """One micro-batch's activation from ``src`` to ``dst``: exactly the cost model's
-        ``p2p_time``, which takes the slowest of the replica-to-replica pair transfers.
-        A pair's time depends only on (share, same node, node groups), so each such class
-        is timed once with ``p2p_time`` on one representative pair."""
+        transfer, the slowest of the replica-to-replica pair transfers of what each
+        tensor-parallel rank sends (``Stack.pipeline_send_shape``), then the receivers'
+        all-gather where the stack scatters and gathers. A pair's time depends only on
+        (share, same node, node groups), so each such class is timed once with
+        ``p2p_time`` on one representative pair."""
         # (Keyed by the groups' identities, kept alive with the entry: hashing a group
         # hashes all its ranks.)
-        key = (id(src), id(dst), nbytes)
+        key = (id(src), id(dst), nbytes, sequence_parallel)
         hit = self._p2p.get(key)
         if hit is None:
-            share = nbytes / min(src.tp, dst.tp)
+            width = min(src.tp, dst.tp)
+            split, gather = self.stack.pipeline_send_shape(width, sequence_parallel)
+            share = nbytes / width if split else nbytes
             hit = max((p2p_time(self.cluster, [(a,)], [(b,)], share) for a, b in self._pair_classes(src, dst)),
                       default=0.0) if nbytes > 0 else 0.0
+            if gather and nbytes > 0:
+                hit += max(collective_time(self.cluster, grp, nbytes, "all_gather") for grp in dst.tp_groups())
             self._p2p[key] = (hit, src, dst)
             return hit
         return hit[0]

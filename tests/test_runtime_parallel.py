@@ -245,8 +245,9 @@ def _saved_activations(rank: int) -> dict:
                 x = x.chunk(world, dim=1)[rank]
             kept = Kept([local(q) for q in block.parameters()])
             with torch.autograd.graph.saved_tensors_hooks(kept.pack, kept.unpack):
-                block(x.requires_grad_(True))
+                y = block(x.requires_grad_(True))
             out[(name, sp)] = kept.total / SAVED_BATCH
+            out[("sent", name, sp)] = tuple(local(y).shape)   # what a pipeline stage would send
     return out
 
 
@@ -403,6 +404,24 @@ def test_four_ranks_match_single_process(name):
 @pytest.mark.parametrize("name", list(CASES_8), ids=list(CASES_8))
 def test_eight_ranks_match_single_process(name):
     _check(CASES_8, 8, name)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", SAVED_MODELS)
+def test_a_tensor_parallel_stage_sends_what_the_stack_says(name):
+    """torch.distributed.pipelining sends each rank's local stage output. Without sequence
+    parallelism a tensor-parallel block's output is whole on every rank (stack autoplan's
+    pipeline_send 'whole'); with it, each rank holds (and sends) its sequence shard."""
+    from autoplan.stacks import get_stack
+
+    per_rank = group(2)["saved-activations"]
+    cfg = get_config(name)
+    whole = (SAVED_BATCH, cfg.seq_len, cfg.hidden)
+    for r in per_rank:
+        assert r[("sent", name, False)] == whole
+        assert r[("sent", name, True)] == (SAVED_BATCH, cfg.seq_len // 2, cfg.hidden)
+    assert get_stack("autoplan").pipeline_send_shape(2, False) == (False, False)
+    assert get_stack("autoplan").pipeline_send_shape(2, True) == (True, False)
 
 
 STATE_CASES = ("dp-ddp", "zero1", "zero2", "zero3", "olmo2-zero1")

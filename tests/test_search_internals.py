@@ -16,7 +16,7 @@ from autoplan.plan import DeviceGroup, Stage
 from autoplan.schedule import build_program
 from autoplan.stacks import get_stack
 from costmodel import EstimateOptions, estimate
-from costmodel.comm import p2p_time
+from costmodel.comm import collective_time, p2p_time
 from costmodel.estimate import stage_costs
 from search.bounds import Bounds
 from search.evaluate import (Setting, Skeleton, analyze, fits_memory, pipeline_time, simulated,
@@ -236,15 +236,34 @@ def test_work_floor_and_memory_check_agree_with_the_analysis(case):
     assert verdicts[-1] is False and verdicts[0] is analysis.fits
 
 
+# name: (stack, sequence parallel) -> (each tensor-parallel rank sends 1/t, receivers all-gather)
+PIPELINE_SENDS = {
+    "whole-tensor-per-rank": ("autoplan", False, (False, False)),
+    "sequence-shards": ("autoplan", True, (True, False)),
+    "megatron-core-whole": ("megatron-core", False, (False, False)),
+    "scatter-gather": ("megatron-lm-2021", False, (True, True)),
+    "deepspeed-partitioned": ("deepspeed", False, (True, True)),
+    "scatter-gather-under-sp": ("megatron-lm-2021", True, (True, False)),
+}
+
+
+@pytest.mark.parametrize("send", list(PIPELINE_SENDS), ids=list(PIPELINE_SENDS))
 @pytest.mark.parametrize("a,b", [((4,), (6,)), ((0, 1), (2, 3)), ((0, 1, 2, 3), (4, 5, 6, 7))],
                          ids=["one-pair-cross-type", "tp2-same-node", "tp4-cross-node"])
-def test_p2p_equals_the_cost_model(a, b):
-    tables = Tables(GPT, MIXED)
+def test_p2p_equals_the_cost_model(a, b, send):
+    """The search's transfer between pipeline groups is the cost model's: what each
+    tensor-parallel rank sends as the stack passes it, and the receivers' all-gather where
+    it scatters and gathers; with one rank per replica nothing is split or gathered."""
+    stack, sp, (split, gather) = PIPELINE_SENDS[send]
+    tables = Tables(GPT, MIXED, options=EstimateOptions(stack=get_stack(stack)))
     for tp in (1, len(a)):
         src, dst = DeviceGroup(ranks=a, tp=tp), DeviceGroup(ranks=b, tp=tp)
+        assert tables.stack.pipeline_send_shape(tp, sp) == ((split, gather) if tp > 1 else (True, False))
         for nbytes in (1e6, 3e7):
-            assert tables.p2p(src, dst, nbytes) == pytest.approx(
-                p2p_time(MIXED, src.tp_groups(), dst.tp_groups(), nbytes), rel=1e-12)
+            expected = p2p_time(MIXED, src.tp_groups(), dst.tp_groups(), nbytes, split or tp == 1)
+            if gather and tp > 1:
+                expected += max(collective_time(MIXED, g, nbytes, "all_gather") for g in dst.tp_groups())
+            assert tables.p2p(src, dst, nbytes, sp) == pytest.approx(expected, rel=1e-12)
 
 
 # ------------------------------------------------------------------ in flight

@@ -66,9 +66,10 @@ def test_unknown_stack_is_one_line_error(value, message):
     ({"vocab_multiple": 12.5}, "vocab_multiple"),
     ({"weights_sharded_from_zero": 4}, "weights_sharded_from_zero"),
     ({"pipeline_max_zero": 0}, "pipeline_max_zero"),
+    ({"pipeline_send": "broadcast"}, "pipeline_send"),
 ], ids=["kernel", "negative", "fragmentation", "type", "unknown-field", "version", "collective",
         "fp8-casts-without-fp8", "no-traffic", "vocab-multiple-zero", "vocab-multiple-fraction",
-        "no-such-zero-stage", "zero-stage-zero"])
+        "no-such-zero-stage", "zero-stage-zero", "pipeline-send"])
 def test_bad_stack_file_names_the_field(tmp_path, edit, field):
     data = get_stack("megatron-core").to_dict() | edit
     path = tmp_path / "mine.json"
