@@ -441,12 +441,14 @@ def tied_grad_time(model: ModelSpec, cluster: Cluster, first: DeviceGroup, last:
     differ: an all-reduce between the two ranks at the same (replica, sequence shard, tensor
     shard) position, after the backward and before the optimizer step (Megatron-LM's
     embedding group, DeepSpeed's tied-module reduction, autoplan's runtime). Each rank's table
-    is its tensor shard, and its data-parallel shard too where gradients are sharded
-    (ZeRO-2/3), in the dtype the stack keeps gradients in."""
+    is its tensor shard, and its data-parallel shard too where gradients are sharded by then
+    (ZeRO-2/3; from ZeRO-1 on where the stack runs on FSDP, ``weights_sharded_from_zero``,
+    whose backward has reduce-scattered them before the sum), in the dtype the stack keeps
+    gradients in. ``zero``: the stage the plan runs at."""
     if not model.shared_params or first is last:
         return 0.0
     per_rank = model.shared_params / min(first.tp, last.tp)
-    if zero >= 2:
+    if zero >= min(2, stack.weights_sharded_from_zero):
         per_rank /= min(first.dp * first.cp, last.dp * last.cp)
     return _worst(cluster, list(zip(first.ranks, last.ranks)), per_rank * stack.gradient_bytes_per_param,
                   "all_reduce")
