@@ -85,3 +85,22 @@ def test_spec_round_trip(preset):
     for layer in models.get(preset, dtype="fp32").layers:
         back = spec_from_dict(spec_to_dict(layer))
         assert back == layer and back.name == layer.name and hash(back) == hash(layer)
+
+
+# name: (backward ms, input-gradient ms or None) -> (input part, weight part)
+BACKWARD_SPLITS = {
+    "both-parts": (1.0, 0.4, (0.4, 0.6)),
+    "no-input-gradient-timed": (1.0, None, (0.0, 1.0)),
+    "noise-puts-the-input-pass-above-the-whole": (0.2364, 0.2468, (0.2364, 0.0)),
+}
+
+
+@pytest.mark.parametrize("name", list(BACKWARD_SPLITS), ids=list(BACKWARD_SPLITS))
+def test_backward_split_adds_up(name):
+    from autoplan.profiler.layers import split_backward
+
+    total, inputs, (want_input, want_weight) = BACKWARD_SPLITS[name]
+    st = {"backward_ms": total, **({"backward_input_ms": inputs} if inputs is not None else {})}
+    got = split_backward(st)
+    assert (got["backward_input_ms"], got["backward_weight_ms"]) == pytest.approx((want_input, want_weight))
+    assert got["backward_input_ms"] + got["backward_weight_ms"] == pytest.approx(total)
