@@ -204,7 +204,7 @@ class _GroupFigures:
             t = tables.table(sk.kinds[g], st.micro_batch, st.sequence_parallel, (sk, st, g)).scalars
             shards = group.dp * group.cp
             # (Under pipelining the search's stages are those the stack runs there:
-            # st.zero is realized, see Space.zero_options.)
+            # st.zero is realized, see _Search.zero_options.)
             every = shards > 1 and st.zero >= stack.reduce_every_micro_batch_from_zero
             if st.zero >= 3 and shards > 1:
                 colls = ((stack.gathered_weights_bytes_per_param, tables.dp_affines(group, "all_gather"), "all_gather"),
