@@ -351,6 +351,20 @@ class Stack:
             return True, False
         return (True, True) if self.pipeline_send == "scatter_gather" else (False, False)
 
+    def casts_all_weights(self, dp: int, zero: int, pp: int, tp: int = 1, ep: int = 1, schedule: str = "1f1b",
+                          dtype: str = "bf16") -> bool:
+        """Whether the half-precision compute copy (``weight_cast_bytes_per_param``) of a plan
+        with these degrees covers every parameter, the embedding tables too: FSDP's mixed
+        precision gathers them all, where autocast casts only the weights a matmul reads.
+        autoplan's runtime: its FSDP-family wrappers (``autoplan.data_parallel``); another
+        stack with a compute copy: FSDP from ZeRO-1 on over more than one rank."""
+        if not self.weight_cast_bytes_per_param:
+            return False
+        if self.autocasts:
+            from autoplan.data_parallel import data_parallel_choice
+            return data_parallel_choice(dp, zero, pp, tp, schedule, ep).wrapper in ("fully_shard", "replicate")
+        return dp > 1 and self.realized_zero(zero, pp) >= 1
+
     def realized_zero(self, zero: int, pp: int) -> int:
         """The ZeRO stage a plan at stage ``zero`` with ``pp`` pipeline stages runs at on
         this stack (see ``pipeline_max_zero``)."""

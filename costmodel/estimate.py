@@ -534,7 +534,8 @@ def estimate(model: ModelSpec, cluster: Cluster, plan: Plan, options: EstimateOp
         stage_layers = [model.layers[plan.stages[s].start:plan.stages[s].end] for s in stage_ids]
         layers = [l for ls in stage_layers for l in ls]
         shards = group.dp * group.cp   # weights are sharded over data and context ranks
-        states = model_state_bytes(layers, group.tp, shards, zero, stack, plan.ep)
+        states = model_state_bytes(layers, group.tp, shards, zero, stack, plan.ep,
+                                   stack.casts_all_weights(*_degrees(plan, group)))
         transient = max(_transient(model, cluster, plan, s, stack, load) for s in stage_ids)
         accelerator = any(is_accelerator(d.name) for d in _group_devices(cluster, group.ranks))
         mem = group_memory(states, sim.peak_activation_bytes[g] * act_scale, transient * act_scale,

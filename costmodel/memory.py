@@ -79,10 +79,11 @@ class GroupMemory:
 
 
 def model_state_bytes(layers: Sequence[LayerSpec], tp: int, dp: int, zero: int, stack: Stack,
-                      ep: int = 1) -> ModelStateBytes:
+                      ep: int = 1, cast_all: bool = False) -> ModelStateBytes:
     """Weights, gradients and optimizer states of ``layers`` on one rank under ``stack`` at
     ZeRO stage ``zero``, the one the plan runs at (``Stack.realized_zero``); routed experts
-    split over ``ep`` ranks, see ``costmodel.experts.state_params``."""
+    split over ``ep`` ranks, see ``costmodel.experts.state_params``. ``cast_all``: the
+    compute copy covers the embedding tables too (``Stack.casts_all_weights``)."""
     held, sharded = experts.state_params(layers, tp, ep)
     per = lambda stage: sharded / dp if zero >= stage else held  # noqa: E731
     weights = per(stack.weights_sharded_from_zero) * stack.weights_bytes_per_param
@@ -92,10 +93,9 @@ def model_state_bytes(layers: Sequence[LayerSpec], tp: int, dp: int, zero: int, 
         weights += 2 * biggest * stack.gathered_weights_bytes_per_param
     casts = 0.0
     if stack.weight_cast_bytes_per_param and not (zero >= 3 and dp > 1):
-        # Half-precision copies of fp32 weights that the matmuls read (autocast, or FSDP's
-        # unsharded compute copy); embedding tables are looked up, not cast, under autocast
-        # (FSDP gathers them in bf16 too: not counted, see docs/costmodel.md).
-        casts = experts.state_params([l for l in layers if l.kind != "embedding"], tp, ep)[0] * \
+        # Half-precision copies of fp32 weights: those the matmuls read under autocast
+        # (embedding tables are looked up, not cast), every one under FSDP's mixed precision.
+        casts = experts.state_params([l for l in layers if cast_all or l.kind != "embedding"], tp, ep)[0] * \
             stack.weight_cast_bytes_per_param
     grads = per(2) * stack.gradient_bytes_per_param
     optim = per(1) * (stack.master_weights_bytes_per_param + stack.optimizer_bytes_per_param)

@@ -218,7 +218,7 @@ class _GroupFigures:
                 colls = ((stack.grad_reduce_bytes_per_param, tables.dp_affines(group, kind), kind),)
             else:
                 colls = ()
-            hit = self._of[g] = (t, group, shards, colls, every)
+            hit = self._of[g] = (t, group, shards, colls, every, tables.cast_field(sk, st, g))
         return hit
 
     def stage(self, j: int, n: int, a: int, b: int, mode: str) -> StageFigures:
@@ -226,13 +226,13 @@ class _GroupFigures:
         tables, sk = self.tables, self.sk
         P = sk.pp
         g = j % P
-        t, group, shards, colls, every = self._group(g)
+        t, group, shards, colls, every, cast_field = self._group(g)
         q = RECOMPUTES.index(mode)
         fwd = t["cum_forward"][b] - t["cum_forward"][a]
         cbi = t["cum_backward_input"][q]
         bi = cbi[b] - cbi[a]
         bw = t["cum_backward_weight"][b] - t["cum_backward_weight"][a]
-        mem = _stage_memory(t, a, b, q)
+        mem = _stage_memory(t, a, b, q, cast_field)
         params = mem.params
         # Expert gradients go over the ranks holding the same experts (costmodel.experts).
         ep = sk.ep
@@ -287,12 +287,13 @@ class _StageMemory(NamedTuple):
     transient: float
 
 
-def _stage_memory(t: dict, a: int, b: int, q: int) -> _StageMemory:
-    """The memory fields of units [a, b) in recompute mode ``q`` from a table's scalars."""
+def _stage_memory(t: dict, a: int, b: int, q: int, cast_field: str) -> _StageMemory:
+    """The memory fields of units [a, b) in recompute mode ``q`` from a table's scalars
+    (``cast_field``: see ``Tables.cast_field``)."""
     return _StageMemory(
         params=t["cum_params"][b] - t["cum_params"][a],
         zero_params=t["cum_zero_params"][b] - t["cum_zero_params"][a],
-        max_params=t["max_params"][a][b], cast_params=t["cum_cast_params"][b] - t["cum_cast_params"][a],
+        max_params=t["max_params"][a][b], cast_params=t[cast_field][b] - t[cast_field][a],
         activation=t["cum_activation"][q][b] - t["cum_activation"][q][a],
         transient=t["max_transient"][q][a][b])
 
@@ -302,7 +303,8 @@ def fits_memory(tables: Tables, sk: Skeleton, st: Setting, bounds: Sequence[tupl
     """Whether a split fits, exactly as :func:`analyze` decides it, without the stages' time
     figures (their collectives and sends are most of what a stage figure costs)."""
     of_group = _scalars_of_groups(tables, sk, st)
-    figs = [_stage_memory(of_group[j % sk.pp], a, b, RECOMPUTES.index(mode))
+    fields = [tables.cast_field(sk, st, g) for g in range(sk.pp)]
+    figs = [_stage_memory(of_group[j % sk.pp], a, b, RECOMPUTES.index(mode), fields[j % sk.pp])
             for j, ((a, b), mode) in enumerate(zip(bounds, recompute))]
     return _fits(tables, sk, group_memory(tables, sk, st, figs))
 

@@ -117,7 +117,8 @@ class Splitter:
         per micro-batch, both with the allocator's fragmentation on the dynamic part;
         memory = fixed + base + inflight * act (``Tables.memory_total``)."""
         group, kind = sk.groups[g], sk.kinds[g]
-        key = (kind, st.micro_batch, st.sequence_parallel and kind.tp > 1, _sharding(group, st), st.zero)
+        cast_field = self.tables.cast_field(sk, st, g)
+        key = (kind, st.micro_batch, st.sequence_parallel and kind.tp > 1, _sharding(group, st), st.zero, cast_field)
         hit = self._mem.get(key)
         if hit is not None:
             return hit
@@ -125,7 +126,8 @@ class Splitter:
         dyn = self.tables.dynamic_factor
         params = t.cum_params[None, :] - t.cum_params[:, None]
         sharded = t.cum_zero_params[None, :] - t.cum_zero_params[:, None]
-        cast = t.cum_cast_params[None, :] - t.cum_cast_params[:, None]
+        cum_cast = getattr(t, cast_field)
+        cast = cum_cast[None, :] - cum_cast[:, None]
         states = self.tables.state_bytes(params, t.max_params, group.dp * group.cp, st.zero, sharded)
         base = states[None] + dyn * (t.max_transient + self.tables.cast_bytes(cast, group.dp * group.cp, st.zero)[None])
         act = dyn * (t.cum_activation[:, None, :] - t.cum_activation[:, :, None])
@@ -574,13 +576,16 @@ class Splitter:
     def _states_mats(self, sk: Skeleton, g: int, st: Setting) -> tuple[np.ndarray, np.ndarray]:
         """Like _mem_mats without the transient: (states[q, s, e], act[q, s, e])."""
         group, kind = sk.groups[g], sk.kinds[g]
-        key = ("states", kind, st.micro_batch, st.sequence_parallel and kind.tp > 1, _sharding(group, st), st.zero)
+        cast_field = self.tables.cast_field(sk, st, g)
+        key = ("states", kind, st.micro_batch, st.sequence_parallel and kind.tp > 1, _sharding(group, st), st.zero,
+               cast_field)
         hit = self._mem.get(key)
         if hit is None:
             t = self.tables.table(kind, st.micro_batch, st.sequence_parallel)
             params = t.cum_params[None, :] - t.cum_params[:, None]
             sharded = t.cum_zero_params[None, :] - t.cum_zero_params[:, None]
-            cast = t.cum_cast_params[None, :] - t.cum_cast_params[:, None]
+            cum_cast = getattr(t, cast_field)
+            cast = cum_cast[None, :] - cum_cast[:, None]
             states = self.tables.state_bytes(params, t.max_params, group.dp * group.cp, st.zero, sharded) \
                 + self.tables.dynamic_factor * self.tables.cast_bytes(cast, group.dp * group.cp, st.zero)
             act = self.tables.dynamic_factor * (t.cum_activation[:, None, :] - t.cum_activation[:, :, None])

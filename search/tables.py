@@ -178,6 +178,7 @@ class Tables:
         self._zero3_rates: dict = {}
         self._traffic: dict = {}
         self._autocast: dict = {}
+        self._cast_all: dict = {}
         self._host_costs: dict = {}
 
     # --------------------------------------------------------------- layers
@@ -211,6 +212,19 @@ class Tables:
         if hit is False:
             hit = self._traffic[key] = self.stack.traffic_for(*key)
         return hit
+
+    def cast_field(self, sk, st, g: int) -> str:
+        """The prefix sums of the parameters group ``g`` of skeleton ``sk`` under setting
+        ``st`` holds a half-precision compute copy of: every one (``cum_params``) where FSDP's
+        mixed precision makes it, the matmuls' weights (``cum_cast_params``) otherwise
+        (``Stack.casts_all_weights``). The latter is the least, which bounds count on."""
+        if not self.stack.weight_cast_bytes_per_param:
+            return "cum_cast_params"
+        key = self._degrees(sk, st, g)
+        hit = self._cast_all.get(key)
+        if hit is None:
+            hit = self._cast_all[key] = self.stack.casts_all_weights(*key)
+        return "cum_params" if hit else "cum_cast_params"
 
     def autocast(self, sk, st, g: int) -> bool:
         """Whether group ``g`` of skeleton ``sk`` under setting ``st`` computes under autocast

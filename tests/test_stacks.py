@@ -193,6 +193,34 @@ def test_estimate_runs_a_plan_at_the_stage_its_stack_realizes(name):
         assert f"ZeRO-{zero} runs as ZeRO-{runs}" in est.inputs["zero"]
 
 
+# name: (stack, dp, zero, pp, tp) -> whether the half-precision compute copy covers the
+# embedding tables too (FSDP's mixed precision) or only the matmuls' weights (autocast)
+CAST_ALL = {
+    "autoplan-one-replica-autocasts": ("autoplan", 1, 1, 1, 1, False),
+    "autoplan-ddp-autocasts": ("autoplan", 4, 0, 1, 1, False),
+    "autoplan-replicate-with-tp": ("autoplan", 4, 0, 1, 2, True),
+    "autoplan-fsdp-zero1": ("autoplan", 4, 1, 1, 1, True),
+    "autoplan-fsdp-pipelined": ("autoplan", 4, 3, 2, 1, True),
+    "torchtitan-replicate-autocasts": ("torchtitan", 4, 0, 2, 1, False),
+    "torchtitan-fsdp": ("torchtitan", 4, 1, 2, 1, True),
+    "megatron-core-bf16-weights": ("megatron-core", 4, 1, 1, 1, False),
+}
+
+
+@pytest.mark.parametrize("name", list(CAST_ALL), ids=list(CAST_ALL))
+def test_the_compute_copy_covers_the_embedding_under_fsdp(name):
+    stack, dp, zero, pp, tp, every = CAST_ALL[name]
+    s = get_stack(stack)
+    assert s.casts_all_weights(dp, zero, pp, tp) == every
+    model = autoplan.models.transformer(layers=2, hidden=256, heads=4, seq_len=128, vocab=32000)
+    embedding = next(l for l in model.layers if l.kind == "embedding")
+    realized = s.realized_zero(zero, pp)
+    whole = model_state_bytes(model.layers, tp, dp, realized, s, cast_all=every)
+    matmuls = model_state_bytes(model.layers, tp, dp, realized, s)
+    table = embedding.params.at(tp) * s.weight_cast_bytes_per_param if every and realized < 3 else 0.0
+    assert whole.casts - matmuls.casts == pytest.approx(table)
+
+
 def test_published_per_parameter_figures():
     # ZeRO (Rajbhandari et al. 2020, Fig. 1): 16 bytes per parameter for bf16 mixed precision
     # with Adam; Megatron-LM's distributed optimizer: 6 + 12/d with fp32 gradients.
