@@ -105,7 +105,7 @@ def public_rows() -> list[dict]:
     for row in validate.narayanan_rows() + validate.korthikanti_rows():
         est, _, _ = validate.estimate_row(row)
         out.append(_record(row.source, row.model, row.measured_time_s, est, validate.row_model(row), a100,
-                           get_stack(row.stack)))
+                           validate.row_stack(row)))
     for r in tables.build():
         if (not isinstance(r, tables.PublishedRow) or r.recompute_bracket or r.status != "ok"
                 or r.source in SKIPPED_SOURCES):
