@@ -361,8 +361,8 @@ class Stack:
         if not self.weight_cast_bytes_per_param:
             return False
         if self.autocasts:
-            from autoplan.data_parallel import data_parallel_choice
-            return data_parallel_choice(dp, zero, pp, tp, schedule, ep).wrapper in ("fully_shard", "replicate")
+            from autoplan.data_parallel import runs_under_autocast
+            return not runs_under_autocast(dp, zero, pp, tp, schedule, ep)
         return dp > 1 and self.realized_zero(zero, pp) >= 1
 
     def realized_zero(self, zero: int, pp: int) -> int:
@@ -370,13 +370,19 @@ class Stack:
         this stack (see ``pipeline_max_zero``)."""
         return min(zero, self.pipeline_max_zero) if pp > 1 else zero
 
+    @property
+    def state_parts(self) -> tuple[tuple[float, int], tuple[float, int], tuple[float, int]]:
+        """(bytes per parameter, the ZeRO stage from which a rank keeps only its 1/dp shard) of
+        the weights, the gradients, and the master weights with the optimizer moments: the one
+        place that says which stage shards what."""
+        return ((self.weights_bytes_per_param, self.weights_sharded_from_zero),
+                (self.gradient_bytes_per_param, 2),
+                (self.master_weights_bytes_per_param + self.optimizer_bytes_per_param, 1))
+
     def state_bytes_per_param(self, dp: int, zero: int) -> float:
         """Bytes of weights, gradients and optimizer state per parameter on one rank at the
         (realized) ZeRO stage ``zero``."""
-        shard = lambda stage: dp if zero >= stage else 1  # noqa: E731
-        return (self.weights_bytes_per_param / shard(self.weights_sharded_from_zero)
-                + self.gradient_bytes_per_param / shard(2)
-                + (self.master_weights_bytes_per_param + self.optimizer_bytes_per_param) / shard(1))
+        return sum(b / (dp if zero >= stage else 1) for b, stage in self.state_parts)
 
     def to_dict(self) -> dict:
         out = {"schema_version": SCHEMA_VERSION}

@@ -85,8 +85,7 @@ def model_state_bytes(layers: Sequence[LayerSpec], tp: int, dp: int, zero: int, 
     split over ``ep`` ranks, see ``costmodel.experts.state_params``. ``cast_all``: the
     compute copy covers the embedding tables too (``Stack.casts_all_weights``)."""
     held, sharded = experts.state_params(layers, tp, ep)
-    per = lambda stage: sharded / dp if zero >= stage else held  # noqa: E731
-    weights = per(stack.weights_sharded_from_zero) * stack.weights_bytes_per_param
+    weights, grads, optim = ((sharded / dp if zero >= stage else held) * b for b, stage in stack.state_parts)
     if zero >= 3 and dp > 1 and layers:
         # FSDP / ZeRO-3 gathers one unit at a time and prefetches the next.
         biggest = max(experts.state_params([l], tp, ep)[0] for l in layers)
@@ -97,8 +96,6 @@ def model_state_bytes(layers: Sequence[LayerSpec], tp: int, dp: int, zero: int, 
         # (embedding tables are looked up, not cast), every one under FSDP's mixed precision.
         casts = experts.state_params([l for l in layers if cast_all or l.kind != "embedding"], tp, ep)[0] * \
             stack.weight_cast_bytes_per_param
-    grads = per(2) * stack.gradient_bytes_per_param
-    optim = per(1) * (stack.master_weights_bytes_per_param + stack.optimizer_bytes_per_param)
     return ModelStateBytes(weights, grads, optim, casts)
 
 

@@ -339,10 +339,7 @@ class Tables:
         exact without expert parallelism, a lower bound with it)."""
         stack = self.stack
         if sharded is not None and zero >= 1:
-            per = lambda stage: sharded / dp if zero >= stage else params  # noqa: E731
-            total = (per(stack.weights_sharded_from_zero) * stack.weights_bytes_per_param
-                     + per(2) * stack.gradient_bytes_per_param
-                     + per(1) * (stack.master_weights_bytes_per_param + stack.optimizer_bytes_per_param))
+            total = sum((sharded / dp if zero >= stage else params) * b for b, stage in stack.state_parts)
         else:
             total = params * stack.state_bytes_per_param(dp, zero)
         if zero >= 3 and dp > 1:
