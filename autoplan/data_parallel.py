@@ -26,12 +26,6 @@ class DataParallelChoice:
     dtype, and are reduced once, in the step's last backward (ZeRO-1)."""
 
     @property
-    def shards_weights(self) -> bool:
-        """The rank keeps only its shard of the parameters between steps: FSDP2 shards the
-        parameters it wraps at every ZeRO stage (they are also what the optimizer updates)."""
-        return self.wrapper == "fully_shard"
-
-    @property
     def under_autocast(self) -> bool:
         """The plan's layers compute under autocast on fp32 weights (no wrapper, or DDP); the
         FSDP-family wrappers compute on half-precision weight copies instead

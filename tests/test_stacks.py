@@ -152,7 +152,8 @@ def test_autoplan_stack_shards_as_its_runtime_does(name):
     choice = data_parallel_choice(dp, zero, pp)
     realized = s.realized_zero(zero, pp)
     assert realized == runs
-    assert choice.shards_weights == weights == (realized >= s.weights_sharded_from_zero)
+    # FSDP2 (fully_shard) keeps only a shard of the parameters it wraps, at every stage.
+    assert (choice.wrapper == "fully_shard") == weights == (realized >= s.weights_sharded_from_zero)
     assert choice.reduce_every_micro_batch == every == (realized >= s.reduce_every_micro_batch_from_zero)
     assert choice.reshard_after_forward == per_unit
     layers = list(uniform_model(4, params=1e9).layers)
