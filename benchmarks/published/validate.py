@@ -350,8 +350,10 @@ def evaluate_hagemann(df: pd.DataFrame, inter_node_GBps: float, base=None) -> pd
         stack = hagemann_stack(r.kernel_raw, base)
         model, cluster, plan = _hagemann_run(r, stack, specs, inter_node_GBps)
         est = estimate(model, cluster, plan, stack=stack)
+        dp_group = plan.groups[0].dp_groups()[0]
         rows.append(dict(table=r.table, model=r.model, seq=int(r.seq_len), kernel=r.kernel_raw, fa2=r.fa2,
                          tp=int(r.tp), pp=int(r.pp), dp=int(r.dp), micro_batch=int(r.micro_batch),
+                         dp_nodes=len({cluster.slots[rank].node for rank in dp_group}),
                          fitting=r.fitting, ran=r.status == "ok", fits=est.fits, tight=est.tight,
                          predicted_GiB=est.peak_memory_bytes / 2 ** 30, measured_s=r.iter_time_s, mfu=r.mfu,
                          predicted_s=est.iteration_time_s))
@@ -460,8 +462,8 @@ def residual_lines(R: pd.DataFrame) -> list[str]:
     lines = ["Measured / predicted step time of the FlashAttention-2 runs that ran, by plan field "
              "(mean, with the number of runs; a ratio that moves with a field is what the "
              "per-table rankings above miss):", ""]
-    for field, label in (("dp", "data-parallel degree"), ("pp", "pipeline depth"),
-                         ("micro_batch", "micro-batch size")):
+    for field, label in (("dp", "data-parallel degree"), ("dp_nodes", "nodes one data-parallel group spans"),
+                         ("pp", "pipeline depth"), ("micro_batch", "micro-batch size")):
         lines += [f"| {label} | fitting set | checking set |", "|---:|---:|---:|"]
         for value, g in ok.groupby(field):
             cells = []
