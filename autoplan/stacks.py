@@ -31,8 +31,11 @@ FlashAttention-2's speed; 'flash2': a fused kernel of FlashAttention-2's class (
 FlashAttention-2); 'flash3': Hopper-specific fused kernels (FlashAttention-3, cuDNN /
 Transformer Engine), FlashAttention-2 speed elsewhere."""
 GRAD_COLLECTIVES = ("reduce_scatter", "all_reduce")
-PIPELINE_SENDS = ("whole", "scatter_gather")
 """Collectives a ZeRO-1/2 data-parallel group may reduce its gradients with."""
+PIPELINE_SENDS = ("whole", "scatter_gather")
+"""Values of ``Stack.pipeline_send``."""
+ZERO3_GATHER_UNITS = ("layer", "module")
+"""Values of ``Stack.zero3_gather_unit``."""
 TRAFFIC_WHERE = ("always", "autocast")
 """Values of ``Stack.traffic_where``."""
 DEFAULT_STACK = "autoplan"
@@ -205,6 +208,15 @@ class Stack:
     """Data-parallel gradient reduction overlaps the backward (bucketed)."""
     overlap_param_gather: bool = True
     """ZeRO-1/2's parameter all-gather after the step overlaps the next forward."""
+    zero3_gather_unit: str = "layer"
+    """What ZeRO-3 gathers at a time: 'layer', a pipeline unit's parameters (FSDP wraps each
+    block); 'module', one weight matrix's sub-module (DeepSpeed's per-module fetch). The
+    memory holds two at once: the one in use and the one prefetched."""
+    overlap_zero3: bool = True
+    """ZeRO-3's parameter gathers and gradient reduce-scatters, every micro-batch, run beside
+    the compute (prefetched and reduced on streams of their own). False: each runs between
+    the compute kernels, on the critical path (an engine that synchronizes the device around
+    its gathers)."""
     overlap_cp_exchange: bool = True
     """Context-parallel key/value transfers overlap the attention computed meanwhile (the
     ring steps of Megatron-Core's p2p exchange and of PyTorch's ring attention)."""
@@ -254,6 +266,9 @@ class Stack:
         if self.activation_traffic_scale <= 0:
             raise ConfigError(f"stack {self.name}.activation_traffic_scale",
                               f"must be > 0, got {self.activation_traffic_scale}")
+        if self.zero3_gather_unit not in ZERO3_GATHER_UNITS:
+            raise ConfigError(f"stack {self.name}.zero3_gather_unit",
+                              f"must be one of {', '.join(ZERO3_GATHER_UNITS)}, got {self.zero3_gather_unit!r}")
         for name in ("weights_sharded_from_zero", "reduce_every_micro_batch_from_zero", "pipeline_max_zero"):
             if not 1 <= getattr(self, name) <= 3:
                 raise ConfigError(f"stack {self.name}.{name}", f"must be a ZeRO stage 1-3, got {getattr(self, name)!r}")

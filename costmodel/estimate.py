@@ -351,13 +351,12 @@ def stage_costs(model: ModelSpec, cluster: Cluster, plan: Plan, options: Estimat
         edp_groups = group.expert_dp_groups(ep) if ep > 1 else []
         if zero >= 3 and dp > 1:
             # Parameters are gathered for the forward and again for the backward, and
-            # gradients reduce-scattered, every micro-batch; prefetching hides what the
-            # compute can cover.
+            # gradients reduce-scattered, every micro-batch; where the stack overlaps them,
+            # prefetching hides what the compute can cover.
             gather = experts.grad_reduce_time(cluster, dp_groups, edp_groups, dense * stack.gathered_weights_bytes_per_param,
                                               expert_local * stack.gathered_weights_bytes_per_param, "all_gather")
             scatter = experts.grad_reduce_time(cluster, dp_groups, edp_groups, dense * stack.grad_reduce_bytes_per_param,
                                                expert_local * stack.grad_reduce_bytes_per_param, "reduce_scatter")
-            fwd = max(fwd, gather)
             # The copies around the collectives: on the compute stream, and beside the
             # collectives on theirs.
             bandwidth = min(achieved_memory_bandwidth(d) for d in _group_devices(cluster, group.ranks))
@@ -365,7 +364,12 @@ def stage_costs(model: ModelSpec, cluster: Cluster, plan: Plan, options: Estimat
             beside = (dense + expert_local) * stack.zero3_stream_copy_bytes_per_param / bandwidth
             bwd_i += copy
             bwd += copy
-            extra = max(0.0, gather + scatter + beside - bwd)
+            if stack.overlap_zero3:
+                fwd = max(fwd, gather)
+                extra = max(0.0, gather + scatter + beside - bwd)
+            else:
+                fwd += gather
+                extra = gather + scatter + beside
             bwd_i += extra
             bwd += extra
             reduce = 0.0

@@ -78,6 +78,13 @@ class GroupMemory:
         return self.buffers + self.nccl + self.context + self.fragmentation
 
 
+def zero3_gathered_params(layer: LayerSpec, tp: int, ep: int, stack: Stack) -> float:
+    """Parameters one ZeRO-3 gather of ``layer`` brings onto a rank: the unit's own, or under
+    a stack that gathers per sub-module (``Stack.zero3_gather_unit``) its largest weight."""
+    held = experts.state_params([layer], tp, ep)[0]
+    return min(layer.largest_weight(tp), held) if stack.zero3_gather_unit == "module" else held
+
+
 def model_state_bytes(layers: Sequence[LayerSpec], tp: int, dp: int, zero: int, stack: Stack,
                       ep: int = 1, cast_all: bool = False) -> ModelStateBytes:
     """Weights, gradients and optimizer states of ``layers`` on one rank under ``stack`` at
@@ -87,9 +94,12 @@ def model_state_bytes(layers: Sequence[LayerSpec], tp: int, dp: int, zero: int, 
     held, sharded = experts.state_params(layers, tp, ep)
     weights, grads, optim = ((sharded / dp if zero >= stage else held) * b for b, stage in stack.state_parts)
     if zero >= 3 and dp > 1 and layers:
-        # FSDP / ZeRO-3 gathers one unit at a time and prefetches the next.
-        biggest = max(experts.state_params([l], tp, ep)[0] for l in layers)
+        # ZeRO-3 gathers one unit (or sub-module) at a time and prefetches the next; the
+        # backward of a gathered one produces its whole gradient, in the gathered weights'
+        # dtype, before the reduce-scatter shards it.
+        biggest = max(zero3_gathered_params(l, tp, ep, stack) for l in layers)
         weights += 2 * biggest * stack.gathered_weights_bytes_per_param
+        grads += biggest * stack.gathered_weights_bytes_per_param
     casts = 0.0
     if stack.weight_cast_bytes_per_param and not (zero >= 3 and dp > 1):
         # Half-precision copies of fp32 weights: those the matmuls read under autocast

@@ -247,12 +247,16 @@ class _GroupFigures:
         if len(colls) == 2:
             gather = collective(*colls[0])
             scatter = collective(*colls[1])
-            fwd = max(fwd, gather)
             # (ZeRO-3's copies, as costmodel.estimate.stage_costs charges them; params: the
             # rank's own, experts / ep.)
             on_compute, beside = tables.zero3_copy_rates(sk.kinds[g].pool)
             bi += params * on_compute
-            bi += max(0.0, gather + scatter + params * beside - (bi + bw))
+            if tables.stack.overlap_zero3:
+                fwd = max(fwd, gather)
+                bi += max(0.0, gather + scatter + params * beside - (bi + bw))
+            else:
+                fwd += gather
+                bi += gather + scatter + params * beside
         elif every:
             # Reduce-scattered every micro-batch, beside its backward where the stack
             # overlaps (as the cost model).

@@ -28,7 +28,7 @@ from costmodel.context import context_shard, stage_exchange
 from costmodel.efficiency import achieved_memory_bandwidth
 from costmodel.estimate import EstimateOptions, device_timing_inputs, group_degrees, tied_grad_time
 from costmodel.host import HostCosts, host_costs, layer_host_kernels
-from costmodel.memory import activation_bytes, communicators, transient_bytes
+from costmodel.memory import activation_bytes, communicators, transient_bytes, zero3_gathered_params
 from costmodel.redistribute import layout_comm
 
 RECOMPUTES = ("none", "selective", "full")
@@ -107,7 +107,8 @@ class LayerTable:
     """Prefix sums of the kernels the host issues for one micro-batch of each unit, by
     recompute mode: shape (3, units + 1) (``costmodel.host.layer_host_kernels``)."""
     max_params: np.ndarray
-    """max_params[s, e]: largest unit (in parameters) of the run [s, e) (ZeRO-3 working set)."""
+    """max_params[s, e]: largest ZeRO-3 gather (in parameters) of the run [s, e), its working
+    set (``costmodel.memory.zero3_gathered_params``)."""
     max_transient: np.ndarray
     """max_transient[q, s, e]: largest transient of the run [s, e) under recompute mode q."""
     sources: frozenset
@@ -249,7 +250,7 @@ class Tables:
         # pool's first tensor shard.
         ep_ranks = tuple(first + j * tp for j in range(ep))
         n = model.num_layers
-        fwd, tpf, bw, params, cast, out, zparams, eparams = (np.zeros(n) for _ in range(8))
+        fwd, tpf, bw, params, cast, out, zparams, eparams, gathers = (np.zeros(n) for _ in range(9))
         stack = self.stack
         eff, scale, label = device_timing_inputs(dev, self.options)
         bi = np.zeros((3, n))
@@ -305,14 +306,15 @@ class Tables:
                                 + buffers for m in RECOMPUTES)
                 src = label if label and t.source == "roofline" else t.source
                 held, whole = experts.state_params([layer], tp, ep)
+                gathered = zero3_gathered_params(layer, tp, ep, stack)
                 kern_q = tuple(layer_host_kernels(layer, m, stack, autocast) for m in RECOMPUTES)
                 row = (f + tp_comm + cp_f + ep_comm, tp_comm, bi_q, bww, held,
                        held if layer.kind != "embedding" else 0.0,
                        b * layer.output_bytes, act_q, trans_q, src, whole, experts.expert_params([layer], tp) / ep,
-                       kern_q)
+                       kern_q, gathered)
                 memo[memo_key] = row
             (fwd[i], tpf[i], bi_q, bw[i], params[i], cast[i], out[i], act_q, trans_q, src, zparams[i],
-             eparams[i], kern_q) = row
+             eparams[i], kern_q, gathers[i]) = row
             bi[:, i], act[:, i], trans[:, i], kern[:, i] = bi_q, act_q, trans_q, kern_q
             sources.add(src)
 
@@ -326,7 +328,7 @@ class Tables:
                           transient=trans, output_bytes=out, cum_forward=cum(fwd), cum_tp_forward=cum(tpf),
                           cum_backward_input=cum(bi), cum_backward_weight=cum(bw), cum_params=cum(params),
                           cum_cast_params=cum(cast), cum_activation=cum(act), cum_kernels=cum(kern),
-                          max_params=_range_max(params),
+                          max_params=_range_max(gathers),
                           max_transient=np.stack([_range_max(trans[q]) for q in range(3)]),
                           sources=frozenset(sources))
 
@@ -343,7 +345,8 @@ class Tables:
         else:
             total = params * stack.state_bytes_per_param(dp, zero)
         if zero >= 3 and dp > 1:
-            total = total + 2 * max_params * stack.gathered_weights_bytes_per_param
+            # Two gathers' weights and one gather's whole gradient.
+            total = total + 3 * max_params * stack.gathered_weights_bytes_per_param
         return total
 
     def cast_bytes(self, cast_params: float | np.ndarray, dp: int, zero: int):

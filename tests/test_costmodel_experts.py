@@ -103,8 +103,16 @@ def test_expert_states_are_split_by_ep_and_zero_shards_over_the_rest(mixtral, ze
     expert = experts.expert_params(layers, 1)
     saved = expert * (1 - 1 / 8)
     # Unsharded components shrink by the experts' 7/8; ZeRO-sharded ones are the same
-    # (experts / ep over dp / ep ranks = experts / dp).
-    assert one.gradients - eight.gradients == pytest.approx(saved * stack.gradient_bytes_per_param if zero < 2 else 0)
+    # (experts / ep over dp / ep ranks = experts / dp); ZeRO-3's working set (one gather's
+    # whole gradient) follows the gathered unit, which holds 1/ep of the experts.
+    working = 0.0
+    if zero >= 3:
+        from costmodel.memory import zero3_gathered_params
+        working = (max(zero3_gathered_params(l, 1, 1, stack) for l in layers)
+                   - max(zero3_gathered_params(l, 1, 8, stack) for l in layers)) * stack.gathered_weights_bytes_per_param
+        assert working > 0
+    assert one.gradients - eight.gradients == pytest.approx(
+        saved * stack.gradient_bytes_per_param if zero < 2 else working)
     optim = stack.master_weights_bytes_per_param + stack.optimizer_bytes_per_param
     assert one.optimizer - eight.optimizer == pytest.approx(saved * optim if zero < 1 else 0)
 

@@ -878,3 +878,46 @@ def test_progress_bar_ticks_during_a_long_step():
     after = stream.getvalue()
     time.sleep(2 * P.TICK_S)
     assert stream.getvalue() == after
+
+
+# name: (stack, what ZeRO-3 gathers at a time, whether its collectives overlap the compute)
+ZERO3_ENGINES = {
+    "fsdp-overlapped-layer-gathers": ("autoplan", "layer", True),
+    "deepspeed-2021-serial-module-gathers": ("deepspeed-2021", "module", False),
+}
+
+
+@pytest.mark.parametrize("name", list(ZERO3_ENGINES), ids=list(ZERO3_ENGINES))
+def test_zero3_gathers_as_the_stack_runs_them(name):
+    """ZeRO-3 per stack: an engine that synchronizes the device around its gathers
+    (DeepSpeed of 2021) pays every gather and reduce-scatter on top of the compute, one
+    that prefetches hides them where it can; its working set is two gathers of what it
+    gathers at a time. The search's figures and memory equal the cost model's."""
+    stack_name, unit, overlapped = ZERO3_ENGINES[name]
+    stack = get_stack(stack_name)
+    assert (stack.zero3_gather_unit, stack.overlap_zero3) == (unit, overlapped)
+    options = EstimateOptions(stack=stack)
+    plan = Plan.uniform(GPT, CLUSTER, tp=1, pp=1, dp=16, micro_batch=1, global_batch=64, zero=3)
+    zero3 = stage_costs(GPT, CLUSTER, plan, options)[0]
+    zero1 = stage_costs(GPT, CLUSTER, replace(plan, zero=1), options)[0]
+    params = sum(layer.params.at(1) for layer in GPT.layers)
+    dp_group = plan.groups[0].dp_groups()[0]
+    gather = collective_time(CLUSTER, dp_group, params * stack.gathered_weights_bytes_per_param, "all_gather")
+    scatter = collective_time(CLUSTER, dp_group, params * stack.grad_reduce_bytes_per_param, "reduce_scatter")
+    if overlapped:
+        assert zero3.forward == pytest.approx(max(zero1.forward, gather), rel=1e-12)
+    else:
+        assert zero3.forward == pytest.approx(zero1.forward + gather, rel=1e-12)
+        assert zero3.backward >= zero1.backward + gather + scatter
+    tables = Tables(GPT, CLUSTER, options=options)
+    analysis, figs = analyze(tables, skeleton_of(plan, CLUSTER), setting_of(plan, tables), [(0, GPT.num_layers)],
+                             ["none"])
+    assert figs[0].forward == pytest.approx(zero3.forward, rel=1e-12)
+    assert figs[0].backward == pytest.approx(zero3.backward, rel=1e-12)
+    est = estimate(GPT, CLUSTER, plan, stack=stack)
+    assert analysis.memory[0] == pytest.approx(est.memory_by_group[0].total, rel=1e-9)
+    assert analysis.time_s == pytest.approx(est.iteration_time_s, rel=1e-9)
+    # The working set: two of the largest gathers.
+    gathered = max(layer.largest_weight(1) if unit == "module" else layer.params.at(1) for layer in GPT.layers)
+    sharded = est.memory_by_group[0].weights - 2 * gathered * stack.gathered_weights_bytes_per_param
+    assert sharded == pytest.approx(params / 16 * stack.weights_bytes_per_param, rel=1e-9)

@@ -282,3 +282,24 @@ def test_recompute_prefix_stops_at_the_last_save(case):
     assert pre.attention_share == attention
     assert 0 < pre.kernels < layer.kernels_fwd
     assert 0 < pre.memory_bytes.at(1) < layer.memory_bytes_fwd.at(1)
+
+
+# name: (model, unit index, tensor-parallel degree, the largest weight in units of h^2 or, when
+# the unit reads no weight through a matmul, None: the whole unit)
+LARGEST_WEIGHT = {
+    "gpt3-block-fc1": ("gpt3-175b", 1, 1, 4.0),
+    "gpt3-block-fc1-tp8": ("gpt3-175b", 1, 8, 0.5),
+    "llama3-block-gate": ("llama3-8b", 1, 1, 14336 / 4096),
+    "embedding-is-one-table": ("llama3-8b", 0, 1, None),
+}
+
+
+@pytest.mark.parametrize("name", list(LARGEST_WEIGHT), ids=list(LARGEST_WEIGHT))
+def test_largest_weight(name):
+    """The largest single weight matrix a tensor-parallel rank holds (what an engine that
+    gathers per sub-module brings in at once)."""
+    model, unit, tp, squares = LARGEST_WEIGHT[name]
+    cfg = get_config(model)
+    layer = autoplan.models.get(model).layers[unit]
+    expected = layer.params.at(tp) if squares is None else squares * cfg.hidden ** 2
+    assert layer.largest_weight(tp) == pytest.approx(expected, rel=1e-9)

@@ -67,9 +67,11 @@ def test_unknown_stack_is_one_line_error(value, message):
     ({"weights_sharded_from_zero": 4}, "weights_sharded_from_zero"),
     ({"pipeline_max_zero": 0}, "pipeline_max_zero"),
     ({"pipeline_send": "broadcast"}, "pipeline_send"),
+    ({"zero3_gather_unit": "tensor"}, "zero3_gather_unit"),
+    ({"overlap_zero3": "sometimes"}, "overlap_zero3"),
 ], ids=["kernel", "negative", "fragmentation", "type", "unknown-field", "version", "collective",
         "fp8-casts-without-fp8", "no-traffic", "vocab-multiple-zero", "vocab-multiple-fraction",
-        "no-such-zero-stage", "zero-stage-zero", "pipeline-send"])
+        "no-such-zero-stage", "zero-stage-zero", "pipeline-send", "zero3-gather-unit", "overlap-zero3-type"])
 def test_bad_stack_file_names_the_field(tmp_path, edit, field):
     data = get_stack("megatron-core").to_dict() | edit
     path = tmp_path / "mine.json"
@@ -120,10 +122,11 @@ def test_zero_model_state_bytes_follow_the_stack(stack, zero, dp):
     layers = list(uniform_model(4, params=1e9).layers)
     got = model_state_bytes(layers, tp=1, dp=dp, zero=zero, stack=s)
     P = 4e9
-    working = 2 * 1e9 * s.gathered_weights_bytes_per_param if zero >= 3 else 0.0
+    # ZeRO-3's working set: two gathered units' weights and one unit's whole gradient.
+    gathered = 1e9 * s.gathered_weights_bytes_per_param if zero >= 3 else 0.0
     assert got.weights == pytest.approx(s.weights_bytes_per_param * P / (dp if zero >= s.weights_sharded_from_zero else 1)
-                                        + working)
-    assert got.gradients == pytest.approx(s.gradient_bytes_per_param * P / (dp if zero >= 2 else 1))
+                                        + 2 * gathered)
+    assert got.gradients == pytest.approx(s.gradient_bytes_per_param * P / (dp if zero >= 2 else 1) + gathered)
     assert got.optimizer == pytest.approx((s.master_weights_bytes_per_param + s.optimizer_bytes_per_param) * P
                                           / (dp if zero >= 1 else 1))
 
@@ -161,7 +164,8 @@ def test_autoplan_stack_shards_as_its_runtime_does(name):
     P = 4e9
     assert got.weights - (2 * 1e9 * s.gathered_weights_bytes_per_param if per_unit else 0.0) == \
         pytest.approx(4 * P / (dp if weights else 1))
-    assert got.gradients == pytest.approx(4 * P / (dp if grads else 1))
+    assert got.gradients - (1e9 * s.gathered_weights_bytes_per_param if per_unit else 0.0) == \
+        pytest.approx(4 * P / (dp if grads else 1))
     assert (got.casts > 0) == (not per_unit)   # the bf16 compute copy, whole below ZeRO-3
 
 

@@ -228,6 +228,14 @@ class LayerSpec:
     def params_at(self, tp: int) -> float:
         return self.params.at(tp)
 
+    def largest_weight(self, tp: int) -> float:
+        """Parameters of the largest single weight matrix one tensor-parallel rank holds (one
+        routed expert's for expert matmuls); the whole unit where no matmul reads a weight
+        (an embedding table is one tensor)."""
+        sizes = [g.k * g.n / (tp if g.shard_dim in ("n", "k") else 1)
+                 for g in self.gemms_fwd if not g.in_core]
+        return min(max(sizes), self.params.at(tp)) if sizes else self.params.at(tp)
+
 
 @dataclass(frozen=True)
 class ModelSpec:

@@ -683,10 +683,9 @@ def narayanan_table2() -> list:
             time_note="derived from TFLOP/s with the paper's Eq. 3 (V = 51,200)")
         if zero3:
             out.append(PublishedRow(**common, recompute=None, recompute_options=RECOMPUTE_2021, zero=3,
-                                    stack="deepspeed", group="ZeRO-3 (deepspeed)",
+                                    stack="deepspeed-2021", group="ZeRO-3 (deepspeed-2021)",
                                     confidence="high (numbers); recompute not stated",
-                                    note="DeepSpeed ZeRO-3 on Megatron's GPT model; the deepspeed stack "
-                                         "describes current DeepSpeed (fused attention class)"))
+                                    note="DeepSpeed ZeRO-3 of spring 2021 on Megatron's GPT model"))
         else:
             out.append(PublishedRow(**common, virtual=None, recompute="full", zero=0, stack="megatron-lm-2021",
                                     group="PTD-P (megatron-lm-2021)",
@@ -821,7 +820,7 @@ SOURCES: tuple[Source, ...] = (
     Source("BLOOM topology sweep", bloom_sweep, "megatron-deepspeed",
            "the stack describes the BF16 optimizer the sweep used from 02-28 on; the earlier rows kept 2-byte "
            "gradients, 2 B/param less than the stack's fp32 gradient buffer"),
-    Source("Narayanan 2021 T2", narayanan_table2, "megatron-lm-2021 / deepspeed",
+    Source("Narayanan 2021 T2", narayanan_table2, "megatron-lm-2021 / deepspeed-2021",
            "PTD-P rows on megatron-lm-2021, ZeRO-3 rows on deepspeed"),
     Source("DeepSpeed Azure ZeRO-3 (low confidence)", deepspeed_azure, "deepspeed", "nothing rebuildable"),
     Source("MT-NLG 530B (secondary)", mtnlg, "megatron-deepspeed", "MT-NLG trained on Megatron-DeepSpeed"),
