@@ -85,6 +85,15 @@ def zero3_gathered_params(layer: LayerSpec, tp: int, ep: int, stack: Stack) -> f
     return min(layer.largest_weight(tp), held) if stack.zero3_gather_unit == "module" else held
 
 
+def zero3_working_set(gathered_params, stack: Stack):
+    """(weights, gradient) bytes ZeRO-3 holds on a rank beyond its shards, for a largest
+    gather of ``gathered_params`` (a number or an array of them): the gather in use and the
+    next one, prefetched, and the whole gradient the one in use produces before the
+    reduce-scatter shards it, all in the gathered weights' dtype."""
+    one = gathered_params * stack.gathered_weights_bytes_per_param
+    return 2 * one, one
+
+
 def model_state_bytes(layers: Sequence[LayerSpec], tp: int, dp: int, zero: int, stack: Stack,
                       ep: int = 1, cast_all: bool = False) -> ModelStateBytes:
     """Weights, gradients and optimizer states of ``layers`` on one rank under ``stack`` at
@@ -94,12 +103,10 @@ def model_state_bytes(layers: Sequence[LayerSpec], tp: int, dp: int, zero: int, 
     held, sharded = experts.state_params(layers, tp, ep)
     weights, grads, optim = ((sharded / dp if zero >= stage else held) * b for b, stage in stack.state_parts)
     if zero >= 3 and dp > 1 and layers:
-        # ZeRO-3 gathers one unit (or sub-module) at a time and prefetches the next; the
-        # backward of a gathered one produces its whole gradient, in the gathered weights'
-        # dtype, before the reduce-scatter shards it.
-        biggest = max(zero3_gathered_params(l, tp, ep, stack) for l in layers)
-        weights += 2 * biggest * stack.gathered_weights_bytes_per_param
-        grads += biggest * stack.gathered_weights_bytes_per_param
+        gathered_w, gathered_g = zero3_working_set(max(zero3_gathered_params(l, tp, ep, stack) for l in layers),
+                                                   stack)
+        weights += gathered_w
+        grads += gathered_g
     casts = 0.0
     if stack.weight_cast_bytes_per_param and not (zero >= 3 and dp > 1):
         # Half-precision copies of fp32 weights: those the matmuls read under autocast

@@ -734,11 +734,13 @@ class _Search:
     def zero_notes(self) -> tuple[str, ...]:
         """A line for the ZeRO stages asked for that the stack runs as a lower one under
         pipelining, where the space holds pipelines."""
-        stack = self.tables.stack
-        higher = [z for z in self.c.zero if stack.realized_zero(z, 2) != z]
-        if not higher or self.max_pp() < 2:
+        stack, pp = self.tables.stack, self.max_pp()
+        if pp < 2:
             return ()
-        runs = stack.realized_zero(max(higher), 2)
+        higher = [z for z in self.c.zero if stack.realized_zero(z, pp) != z]
+        if not higher:
+            return ()
+        runs = stack.realized_zero(max(higher), pp)
         stages = "/".join(str(z) for z in higher)
         return (f"stack {stack.name} runs ZeRO-{stages} with pipeline stages as ZeRO-{runs}: pipelined plans are "
                 f"estimated and labelled zero={runs}",)

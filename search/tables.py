@@ -28,7 +28,8 @@ from costmodel.context import context_shard, stage_exchange
 from costmodel.efficiency import achieved_memory_bandwidth
 from costmodel.estimate import EstimateOptions, device_timing_inputs, group_degrees, tied_grad_time
 from costmodel.host import HostCosts, host_costs, layer_host_kernels
-from costmodel.memory import activation_bytes, communicators, transient_bytes, zero3_gathered_params
+from costmodel.memory import (activation_bytes, communicators, transient_bytes, zero3_gathered_params,
+                              zero3_working_set)
 from costmodel.redistribute import layout_comm
 
 RECOMPUTES = ("none", "selective", "full")
@@ -345,8 +346,8 @@ class Tables:
         else:
             total = params * stack.state_bytes_per_param(dp, zero)
         if zero >= 3 and dp > 1:
-            # Two gathers' weights and one gather's whole gradient.
-            total = total + 3 * max_params * stack.gathered_weights_bytes_per_param
+            gathered_w, gathered_g = zero3_working_set(max_params, stack)
+            total = total + gathered_w + gathered_g
         return total
 
     def cast_bytes(self, cast_params: float | np.ndarray, dp: int, zero: int):
