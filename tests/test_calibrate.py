@@ -195,9 +195,9 @@ REAL_PLANS = {
 REAL_FIT = ("mb2x2", "mb8x2", "mb4x4-full", "mb2x8")
 REAL_HELD_OUT = ("mb4x2", "mb8x1-full")
 REAL_STEPS = 6
-REAL_ROUNDS = 2
+REAL_ROUNDS = 3
 """Every plan is trained this many times, the rounds apart: a neighbour's burst of memory
-traffic slows a whole short run even in thread CPU time, and seldom both rounds."""
+traffic slows a whole short run even in thread CPU time, and seldom every round."""
 ONE_RANK = autoplan.Cluster.homogeneous("CPU", 1, 1)
 
 
