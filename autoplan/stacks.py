@@ -209,9 +209,21 @@ class Stack:
     overlap_param_gather: bool = True
     """ZeRO-1/2's parameter all-gather after the step overlaps the next forward."""
     zero3_gather_unit: str = "layer"
-    """What ZeRO-3 gathers at a time: 'layer', a pipeline unit's parameters (FSDP wraps each
-    block); 'module', one weight matrix's sub-module (DeepSpeed's per-module fetch). The
-    memory holds two at once: the one in use and the one prefetched."""
+    """What ZeRO-3 gathers at a time: 'layer', a pipeline unit's parameters in one collective
+    (FSDP wraps each block; a recomputed forward runs inside the unit's backward and uses
+    its gather); 'module', each weight matrix of a unit in a collective of its own
+    (DeepSpeed's per-module fetch), released after every forward of its module, so a fully
+    recomputed forward gathers it again. The memory holds two at once: the one in use and
+    the one prefetched."""
+    zero3_host_s_per_rank: float = 0.0
+    """Host time per member of the data-parallel group that each ZeRO-3 gather and gradient
+    reduce-scatter costs the stack's own code besides the collective (DeepSpeed's first
+    ZeRO-3 builds one tensor view per rank in a Python loop). 0: one flat buffer."""
+    zero3_kernels_per_rank: int = 0
+    """Kernels per member of the data-parallel group that each ZeRO-3 collective launches
+    besides itself, each at the device's launch cost (the list-form all_gather and
+    reduce_scatter of PyTorch up to 1.8 copy every rank's chunk out of, or into, a flat
+    buffer in a kernel of its own). 0: a collective on one flat buffer."""
     overlap_zero3: bool = True
     """ZeRO-3's parameter gathers and gradient reduce-scatters, every micro-batch, run beside
     the compute (prefetched and reduced on streams of their own). False: each runs between
@@ -441,7 +453,7 @@ class Stack:
             if f.type == "bool":
                 values[f.name] = r.bool(key)
             elif f.type == "int":
-                values[f.name] = r.int(key, minimum=1)
+                values[f.name] = r.int(key, minimum=_INT_MINIMUM.get(f.name, 1))
             elif f.type == "str":
                 values[f.name] = r.str(key, choices=_STR_CHOICES.get(f.name))
             elif f.type == "dict":
@@ -456,12 +468,16 @@ _STR_CHOICES = {"attention": ATTENTION_KERNELS, "sharded_grad_collective": GRAD_
                 "pipeline_send": PIPELINE_SENDS,
                 "traffic_where": TRAFFIC_WHERE}
 """Text fields and the values they accept."""
+_INT_MINIMUM = {"zero3_kernels_per_rank": 0}
+"""Whole-number fields that may be 0 (the others count from 1)."""
 _FILE_KEYS = {"cuda_context_bytes": "cuda_context_GiB", "nccl_bytes_per_group": "nccl_MiB_per_group",
               "dp_buffer_bytes": "dp_buffer_MiB", "forward_host_s_per_kernel": "forward_host_us_per_kernel",
-              "host_s_per_kernel": "host_us_per_kernel", "host_s_per_step": "host_ms_per_step"}
+              "host_s_per_kernel": "host_us_per_kernel", "host_s_per_step": "host_ms_per_step",
+              "zero3_host_s_per_rank": "zero3_host_us_per_rank"}
 """Fields whose file key carries a unit other than bytes."""
 _FILE_UNITS = {"cuda_context_bytes": GiB, "nccl_bytes_per_group": MiB, "dp_buffer_bytes": MiB,
-               "forward_host_s_per_kernel": 1e-6, "host_s_per_kernel": 1e-6, "host_s_per_step": 1e-3}
+               "forward_host_s_per_kernel": 1e-6, "host_s_per_kernel": 1e-6, "host_s_per_step": 1e-3,
+               "zero3_host_s_per_rank": 1e-6}
 
 
 def stack_names() -> list[str]:

@@ -2,9 +2,10 @@
 the actual ranks of a group.
 
 A ring visits every member once, so it runs at the slowest link it crosses; a group
-that spans nodes is reduced hierarchically (reduce-scatter inside each node, the
+that spans nodes moves its bytes hierarchically (reduce-scatter inside each node, the
 network phase among nodes on 1/k of the data per GPU, all-gather inside the node), as
-NCCL's tree/ring algorithms effectively do on rail-optimized clusters. An all-to-all
+NCCL's tree/ring algorithms effectively do on rail-optimized clusters, and pays the
+latency of the algorithm NCCL runs (``collective_latency``). An all-to-all
 (mixture-of-experts dispatch) sends each peer its share over the link between the two.
 """
 from __future__ import annotations
@@ -42,16 +43,46 @@ def collective_time(cluster: Cluster, ranks: Sequence[int], nbytes: float, kind:
         return factor * ((n - 1) * link.latency + (n - 1) / n * nbytes / (link.bandwidth * eff))
     # Hierarchical: k GPUs per node (the smallest share bounds the network phase).
     k = min(per_node.values())
+    inter, intra = _node_links(cluster, ranks)
+    t = factor * (nodes - 1) / nodes * (nbytes / k) / (inter.bandwidth * eff)
+    if k > 1:
+        t += factor * (k - 1) / k * nbytes / (intra.bandwidth * eff)
+    return t + _multi_node_latency(n, nodes, k, inter, intra, kind)
+
+
+def _node_links(cluster: Cluster, ranks: Sequence[int]):
+    """(slowest link between the group's nodes, slowest link inside one of them)."""
     nodes_ranks = {}
     for r in ranks:
         nodes_ranks.setdefault(cluster.slots[r].node, r)
     inter = cluster.slowest_link(list(nodes_ranks.values()))
-    t = factor * ((nodes - 1) * inter.latency + (nodes - 1) / nodes * (nbytes / k) / (inter.bandwidth * eff))
-    if k > 1:
-        intra = min((cluster.groups[cluster.slots[r].group].intra_node for r in ranks),
-                    key=lambda l: l.bandwidth)
-        t += factor * ((k - 1) * intra.latency + (k - 1) / k * nbytes / (intra.bandwidth * eff))
-    return t
+    intra = min((cluster.groups[cluster.slots[r].group].intra_node for r in ranks), key=lambda l: l.bandwidth)
+    return inter, intra
+
+
+def _multi_node_latency(n: int, nodes: int, k: int, inter, intra, kind: str) -> float:
+    """The size-independent part of a collective over ``n`` ranks on ``nodes`` nodes (``k``
+    per node). NCCL runs all-gather and reduce-scatter as one ring through every rank, whose
+    n - 1 steps cross the network nodes - 1 times and stay inside a node the other times
+    (src/graph/tuning.cc: nsteps - nInterSteps intra-node latencies plus nInterSteps network
+    ones); an all-reduce across nodes goes by tree or a ring per node, latency growing with
+    the nodes and the GPUs of one node."""
+    if kind in ("all_gather", "reduce_scatter"):
+        return (n - nodes) * intra.latency + (nodes - 1) * inter.latency
+    return _FACTOR[kind] * ((nodes - 1) * inter.latency + (k - 1) * intra.latency)
+
+
+def collective_latency(cluster: Cluster, ranks: Sequence[int], kind: str) -> float:
+    """Seconds a collective over ``ranks`` costs whatever its size (``collective_time`` of a
+    vanishing message): what each further collective of a split transfer adds."""
+    n = len(ranks)
+    if n <= 1:
+        return 0.0
+    per_node = Counter(cluster.slots[r].node for r in ranks)
+    if len(per_node) == 1:
+        return _FACTOR[kind] * (n - 1) * cluster.slowest_link(ranks).latency
+    inter, intra = _node_links(cluster, ranks)
+    return _multi_node_latency(n, len(per_node), min(per_node.values()), inter, intra, kind)
 
 
 def _all_to_all_time(cluster: Cluster, ranks: Sequence[int], nbytes: float, eff: float,
@@ -116,3 +147,25 @@ def p2p_time(cluster: Cluster, src: Sequence[Sequence[int]], dst: Sequence[Seque
             eff = _net_eff(cluster, (a, b))
             worst = max(worst, link.latency + share / (link.bandwidth * eff))
     return worst
+
+
+def zero3_collectives(layers: Sequence, stack) -> int:
+    """Collectives one ZeRO-3 gather of ``layers`` runs, and as many reduce-scatters for
+    their gradients: one per unit, or one per weight matrix where the stack gathers per
+    sub-module (``Stack.zero3_gather_unit``)."""
+    if stack.zero3_gather_unit == "module":
+        return sum(layer.weight_tensors() for layer in layers)
+    return len(layers)
+
+
+def zero3_gather_passes(stack, recompute: str) -> int:
+    """Times a micro-batch gathers every ZeRO-3 parameter: for its forward and its backward,
+    and once more for a fully recomputed forward where the stack releases a sub-module's
+    parameters after each of its forwards (``Stack.zero3_gather_unit``)."""
+    return 3 if stack.zero3_gather_unit == "module" and recompute == "full" else 2
+
+
+def zero3_rank_overhead(stack, device) -> float:
+    """Seconds each ZeRO-3 collective costs per member of its group in the stack's own code
+    (``Stack.zero3_host_s_per_rank``, ``Stack.zero3_kernels_per_rank``)."""
+    return stack.zero3_host_s_per_rank + stack.zero3_kernels_per_rank * default_efficiency(device.name).launch_s

@@ -16,7 +16,8 @@ from autoplan.stacks import Stack, get_stack
 from autoplan.units import DTYPE_BYTES, GiB
 from costmodel import experts
 from costmodel.calibration import Calibration
-from costmodel.comm import collective_time, p2p_time
+from costmodel.comm import (collective_latency, collective_time, p2p_time, zero3_collectives, zero3_gather_passes,
+                             zero3_rank_overhead)
 from costmodel.compute import ALIGNMENT_BYTES, ProfileSource, layer_timing, unaligned_rows
 from costmodel.context import context_shard, stage_exchange
 from costmodel.efficiency import achieved_memory_bandwidth, default_efficiency
@@ -357,19 +358,30 @@ def stage_costs(model: ModelSpec, cluster: Cluster, plan: Plan, options: Estimat
                                               expert_local * stack.gathered_weights_bytes_per_param, "all_gather")
             scatter = experts.grad_reduce_time(cluster, dp_groups, edp_groups, dense * stack.grad_reduce_bytes_per_param,
                                                expert_local * stack.grad_reduce_bytes_per_param, "reduce_scatter")
+            # Split into one collective per gather unit, each further one pays the latency
+            # again, and every one the stack's own work per rank of the group.
+            devices = _group_devices(cluster, group.ranks)
+            count = zero3_collectives(layers, stack)
+            per_rank = max(zero3_rank_overhead(stack, d) for d in devices) * max(len(r) for r in dp_groups)
+            gather += (count - 1) * max(collective_latency(cluster, r, "all_gather") for r in dp_groups) \
+                + count * per_rank
+            scatter += (count - 1) * max(collective_latency(cluster, r, "reduce_scatter") for r in dp_groups) \
+                + count * per_rank
             # The copies around the collectives: on the compute stream, and beside the
             # collectives on theirs.
-            bandwidth = min(achieved_memory_bandwidth(d) for d in _group_devices(cluster, group.ranks))
+            bandwidth = min(achieved_memory_bandwidth(d) for d in devices)
             copy = (dense + expert_local) * stack.zero3_copy_bytes_per_param / bandwidth
             beside = (dense + expert_local) * stack.zero3_stream_copy_bytes_per_param / bandwidth
             bwd_i += copy
             bwd += copy
+            # The backward's gathers: its own, and a recomputed forward's where it needs one.
+            gathers_bwd = (zero3_gather_passes(stack, stage.recompute) - 1) * gather
             if stack.overlap_zero3:
                 fwd = max(fwd, gather)
-                extra = max(0.0, gather + scatter + beside - bwd)
+                extra = max(0.0, gathers_bwd + scatter + beside - bwd)
             else:
                 fwd += gather
-                extra = gather + scatter + beside
+                extra = gathers_bwd + scatter + beside
             bwd_i += extra
             bwd += extra
             reduce = 0.0

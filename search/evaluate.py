@@ -26,6 +26,7 @@ import numpy as np
 from autoplan.models.spec import ModelSpec
 from autoplan.plan import DeviceGroup, Plan, Stage
 from autoplan.stacks import Stack
+from costmodel.comm import zero3_gather_passes
 from costmodel.host import pipeline_host_time, with_host
 from search.inflight import inflight
 from search.tables import RECOMPUTES, Kind, Tables
@@ -245,18 +246,23 @@ class _GroupFigures:
             return out + (tables.expert_dp_collective(group, ep, expert * per_param, kind) if expert else 0.0)
         reduce = 0.0
         if len(colls) == 2:
-            gather = collective(*colls[0])
-            scatter = collective(*colls[1])
+            # One collective per gather unit (as costmodel.estimate.stage_costs): each
+            # further one pays the latency again, every one the stack's work per rank.
+            count = t["cum_zero3_collectives"][b] - t["cum_zero3_collectives"][a]
+            per_rank = count * shards * tables.zero3_rank_overhead(sk.kinds[g].pool)
+            gather = collective(*colls[0]) + (count - 1) * max(a_ for a_, _ in colls[0][1]) + per_rank
+            scatter = collective(*colls[1]) + (count - 1) * max(a_ for a_, _ in colls[1][1]) + per_rank
             # (ZeRO-3's copies, as costmodel.estimate.stage_costs charges them; params: the
             # rank's own, experts / ep.)
             on_compute, beside = tables.zero3_copy_rates(sk.kinds[g].pool)
             bi += params * on_compute
+            gathers_bwd = (zero3_gather_passes(tables.stack, mode) - 1) * gather
             if tables.stack.overlap_zero3:
                 fwd = max(fwd, gather)
-                bi += max(0.0, gather + scatter + params * beside - (bi + bw))
+                bi += max(0.0, gathers_bwd + scatter + params * beside - (bi + bw))
             else:
                 fwd += gather
-                bi += gather + scatter + params * beside
+                bi += gathers_bwd + scatter + params * beside
         elif every:
             # Reduce-scattered every micro-batch, beside its backward where the stack
             # overlaps (as the cost model).

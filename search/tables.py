@@ -22,7 +22,7 @@ from autoplan.models.spec import ModelSpec
 from autoplan.plan import DeviceGroup
 from autoplan.units import DTYPE_BYTES, GiB
 from costmodel import experts
-from costmodel.comm import collective_time, p2p_time
+from costmodel.comm import collective_time, p2p_time, zero3_collectives, zero3_rank_overhead
 from costmodel.compute import layer_timing
 from costmodel.context import context_shard, stage_exchange
 from costmodel.efficiency import achieved_memory_bandwidth
@@ -104,6 +104,9 @@ class LayerTable:
     cum_expert_params: np.ndarray
     cum_cast_params: np.ndarray
     cum_activation: np.ndarray
+    cum_zero3_collectives: np.ndarray
+    """Prefix sums of the collectives one ZeRO-3 gather of each unit runs
+    (``costmodel.comm.zero3_collectives``)."""
     cum_kernels: np.ndarray
     """Prefix sums of the kernels the host issues for one micro-batch of each unit, by
     recompute mode: shape (3, units + 1) (``costmodel.host.layer_host_kernels``)."""
@@ -126,7 +129,7 @@ class LayerTable:
         return {name: getattr(self, name).tolist() for name in (
             "cum_forward", "cum_backward_input", "cum_backward_weight", "cum_params", "cum_cast_params",
             "cum_activation", "output_bytes", "max_params", "max_transient", "cum_expert_params",
-            "cum_zero_params", "cum_kernels")}
+            "cum_zero_params", "cum_kernels", "cum_zero3_collectives")}
 
 
 def _range_max(x: np.ndarray) -> np.ndarray:
@@ -251,7 +254,7 @@ class Tables:
         # pool's first tensor shard.
         ep_ranks = tuple(first + j * tp for j in range(ep))
         n = model.num_layers
-        fwd, tpf, bw, params, cast, out, zparams, eparams, gathers = (np.zeros(n) for _ in range(9))
+        fwd, tpf, bw, params, cast, out, zparams, eparams, gathers, z3 = (np.zeros(n) for _ in range(10))
         stack = self.stack
         eff, scale, label = device_timing_inputs(dev, self.options)
         bi = np.zeros((3, n))
@@ -312,10 +315,10 @@ class Tables:
                 row = (f + tp_comm + cp_f + ep_comm, tp_comm, bi_q, bww, held,
                        held if layer.kind != "embedding" else 0.0,
                        b * layer.output_bytes, act_q, trans_q, src, whole, experts.expert_params([layer], tp) / ep,
-                       kern_q, gathered)
+                       kern_q, gathered, zero3_collectives([layer], stack))
                 memo[memo_key] = row
             (fwd[i], tpf[i], bi_q, bw[i], params[i], cast[i], out[i], act_q, trans_q, src, zparams[i],
-             eparams[i], kern_q, gathers[i]) = row
+             eparams[i], kern_q, gathers[i], z3[i]) = row
             bi[:, i], act[:, i], trans[:, i], kern[:, i] = bi_q, act_q, trans_q, kern_q
             sources.add(src)
 
@@ -329,6 +332,7 @@ class Tables:
                           transient=trans, output_bytes=out, cum_forward=cum(fwd), cum_tp_forward=cum(tpf),
                           cum_backward_input=cum(bi), cum_backward_weight=cum(bw), cum_params=cum(params),
                           cum_cast_params=cum(cast), cum_activation=cum(act), cum_kernels=cum(kern),
+                          cum_zero3_collectives=cum(z3),
                           max_params=_range_max(gathers),
                           max_transient=np.stack([_range_max(trans[q]) for q in range(3)]),
                           sources=frozenset(sources))
@@ -538,6 +542,11 @@ class Tables:
             hit = self._opt_rate[pool] = (self.stack.optimizer_traffic_bytes_per_param
                                           / achieved_memory_bandwidth(dev))
         return hit
+
+    def zero3_rank_overhead(self, pool: int) -> float:
+        """Seconds each ZeRO-3 collective costs per member of its group in the stack's own
+        code on a device of this pool (``costmodel.comm.zero3_rank_overhead``)."""
+        return zero3_rank_overhead(self.stack, self.cluster.groups[pool].device)
 
     def zero3_copy_rates(self, pool: int) -> tuple[float, float]:
         """Seconds per parameter of ZeRO-3's copies on a device of this pool: those on the

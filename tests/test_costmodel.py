@@ -8,7 +8,7 @@ import pytest
 
 import autoplan
 from autoplan.units import GB
-from costmodel.comm import collective_time
+from costmodel.comm import collective_latency, collective_time
 from tests.helpers import ideal_cluster, uniform_model
 
 
@@ -65,6 +65,29 @@ def test_ring_collective_alpha_beta(n, kind, factor):
     eff = 0.85
     expected = factor * (n - 1) / n * nbytes / (100 * GB * eff)
     assert collective_time(cluster, list(range(n)), nbytes, kind) == pytest.approx(expected, rel=1e-6)
+
+
+# name: (kind, nodes, GPUs of the group per node, expected latency in intra/inter-node link latencies)
+LATENCIES = {
+    "one-node-ring": ("all_gather", 1, 8, (7, 0)),
+    "all-gather-one-ring-through-every-rank": ("all_gather", 4, 8, (32 - 4, 4 - 1)),
+    "reduce-scatter-one-ring-through-every-rank": ("reduce_scatter", 4, 8, (32 - 4, 4 - 1)),
+    "all-reduce-across-nodes-then-inside": ("all_reduce", 4, 8, (2 * 7, 2 * 3)),
+    "all-gather-one-rank-per-node": ("all_gather", 4, 1, (0, 3)),
+}
+
+
+@pytest.mark.parametrize("name", list(LATENCIES), ids=list(LATENCIES))
+def test_collective_latency_follows_nccls_algorithm(name):
+    """All-gather and reduce-scatter run as one ring through every rank (NCCL): n - 1 steps,
+    nodes - 1 of them over the network; an all-reduce pays per node and per GPU of a node.
+    A vanishing message costs the latency alone."""
+    kind, nodes, per_node, (n_intra, n_inter) = LATENCIES[name]
+    cluster = autoplan.Cluster.homogeneous("A100-80GB", 4, 8, intra_node_latency_us=3, inter_node_latency_us=10)
+    ranks = [node * 8 + i for node in range(nodes) for i in range(per_node)]
+    expected = (n_intra * 3 + n_inter * 10) * 1e-6
+    assert collective_latency(cluster, ranks, kind) == pytest.approx(expected, rel=1e-9)
+    assert collective_time(cluster, ranks, 1e-3, kind) == pytest.approx(expected, rel=1e-6)
 
 
 def test_group_spanning_nodes_is_bounded_by_network():

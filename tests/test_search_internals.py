@@ -16,7 +16,8 @@ from autoplan.plan import DeviceGroup, Stage
 from autoplan.schedule import build_program
 from autoplan.stacks import get_stack
 from costmodel import EstimateOptions, estimate
-from costmodel.comm import collective_time, p2p_time
+from costmodel.comm import (collective_latency, collective_time, p2p_time, zero3_collectives, zero3_gather_passes,
+                             zero3_rank_overhead)
 from costmodel.estimate import stage_costs
 from search.bounds import Bounds
 from search.evaluate import (Setting, Skeleton, analyze, fits_memory, pipeline_time, simulated,
@@ -880,10 +881,13 @@ def test_progress_bar_ticks_during_a_long_step():
     assert stream.getvalue() == after
 
 
-# name: (stack, what ZeRO-3 gathers at a time, whether its collectives overlap the compute)
+# name: (stack, recompute, what ZeRO-3 gathers at a time, whether its collectives overlap the
+# compute, gathers per micro-batch)
 ZERO3_ENGINES = {
-    "fsdp-overlapped-layer-gathers": ("autoplan", "layer", True),
-    "deepspeed-2021-serial-module-gathers": ("deepspeed-2021", "module", False),
+    "fsdp-overlapped-layer-gathers": ("autoplan", "none", "layer", True, 2),
+    "fsdp-recomputed-inside-the-backward-gather": ("autoplan", "full", "layer", True, 2),
+    "deepspeed-2021-serial-module-gathers": ("deepspeed-2021", "none", "module", False, 2),
+    "deepspeed-2021-recompute-gathers-again": ("deepspeed-2021", "full", "module", False, 3),
 }
 
 
@@ -891,27 +895,36 @@ ZERO3_ENGINES = {
 def test_zero3_gathers_as_the_stack_runs_them(name):
     """ZeRO-3 per stack: an engine that synchronizes the device around its gathers
     (DeepSpeed of 2021) pays every gather and reduce-scatter on top of the compute, one
-    that prefetches hides them where it can; its working set is two gathers of what it
-    gathers at a time. The search's figures and memory equal the cost model's."""
-    stack_name, unit, overlapped = ZERO3_ENGINES[name]
+    that prefetches hides them where it can. Each gather unit is a collective of its own,
+    paying the latency again and the stack's own work per rank of the group; DeepSpeed
+    gathers a module again for its recomputed forward. The working set is two gathers of
+    what it gathers at a time. The search's figures and memory equal the cost model's."""
+    stack_name, recompute, unit, overlapped, passes = ZERO3_ENGINES[name]
     stack = get_stack(stack_name)
     assert (stack.zero3_gather_unit, stack.overlap_zero3) == (unit, overlapped)
+    assert zero3_gather_passes(stack, recompute) == passes
     options = EstimateOptions(stack=stack)
-    plan = Plan.uniform(GPT, CLUSTER, tp=1, pp=1, dp=16, micro_batch=1, global_batch=64, zero=3)
+    plan = Plan.uniform(GPT, CLUSTER, tp=1, pp=1, dp=16, micro_batch=1, global_batch=64, zero=3, recompute=recompute)
     zero3 = stage_costs(GPT, CLUSTER, plan, options)[0]
     zero1 = stage_costs(GPT, CLUSTER, replace(plan, zero=1), options)[0]
     params = sum(layer.params.at(1) for layer in GPT.layers)
     dp_group = plan.groups[0].dp_groups()[0]
-    gather = collective_time(CLUSTER, dp_group, params * stack.gathered_weights_bytes_per_param, "all_gather")
-    scatter = collective_time(CLUSTER, dp_group, params * stack.grad_reduce_bytes_per_param, "reduce_scatter")
+    count = zero3_collectives(GPT.layers, stack)
+    assert count == (sum(layer.weight_tensors() for layer in GPT.layers) if unit == "module" else len(GPT.layers))
+    per_rank = 16 * zero3_rank_overhead(stack, CLUSTER.groups[0].device)
+    assert (per_rank > 0) == (stack_name == "deepspeed-2021")
+    gather = (collective_time(CLUSTER, dp_group, params * stack.gathered_weights_bytes_per_param, "all_gather")
+              + (count - 1) * collective_latency(CLUSTER, dp_group, "all_gather") + count * per_rank)
+    scatter = (collective_time(CLUSTER, dp_group, params * stack.grad_reduce_bytes_per_param, "reduce_scatter")
+               + (count - 1) * collective_latency(CLUSTER, dp_group, "reduce_scatter") + count * per_rank)
     if overlapped:
         assert zero3.forward == pytest.approx(max(zero1.forward, gather), rel=1e-12)
     else:
         assert zero3.forward == pytest.approx(zero1.forward + gather, rel=1e-12)
-        assert zero3.backward >= zero1.backward + gather + scatter
+        assert zero3.backward >= zero1.backward + (passes - 1) * gather + scatter
     tables = Tables(GPT, CLUSTER, options=options)
     analysis, figs = analyze(tables, skeleton_of(plan, CLUSTER), setting_of(plan, tables), [(0, GPT.num_layers)],
-                             ["none"])
+                             [recompute])
     assert figs[0].forward == pytest.approx(zero3.forward, rel=1e-12)
     assert figs[0].backward == pytest.approx(zero3.backward, rel=1e-12)
     est = estimate(GPT, CLUSTER, plan, stack=stack)

@@ -236,6 +236,11 @@ class LayerSpec:
                  for g in self.gemms_fwd if not g.in_core]
         return min(max(sizes), self.params.at(tp)) if sizes else self.params.at(tp)
 
+    def weight_tensors(self) -> int:
+        """Weight matrices its matmuls read, or one tensor where none does (an embedding
+        table): what an engine that gathers per sub-module gathers one at a time."""
+        return sum(1 for g in self.gemms_fwd if not g.in_core) or 1
+
 
 @dataclass(frozen=True)
 class ModelSpec:
