@@ -34,6 +34,17 @@ class LayerTiming:
     (``LayerSpec.recompute_prefix``); None: not known, the forward's time."""
     source: str = "roofline"
     """'measured' (a profile of this device) or 'roofline' (catalog peaks x efficiency)."""
+    forward_host_wait: float = 0.0
+    """The part of ``forward`` the device waits on a host slower than its kernels (the
+    stack's ``forward_host_s_per_kernel``): the host issues the layer's tensor-parallel
+    collectives too and goes on while they run, so they fill this wait before they add
+    time (``hidden_tp_forward``)."""
+
+
+def hidden_tp_forward(timing: LayerTiming, comm: float) -> float:
+    """Seconds of a layer's forward tensor-parallel communication ``comm`` that add to its
+    ``timing.forward``: what the device's wait on the host does not already cover."""
+    return max(0.0, comm - timing.forward_host_wait)
 
 
 class ProfileSource(Protocol):
@@ -265,10 +276,10 @@ def layer_timing(device: DeviceSpec, layer: LayerSpec, micro_batch: int, tp: int
 
     ``forward_host_s_per_kernel`` is the host's time to issue one forward kernel from the
     training stack's model code: a roofline forward that the GPU would finish sooner waits
-    on the host (measured profiles already hold it). ``fp8_cast``: the blocks' linears run in
-    fp8 (``Stack.fp8_cast``); profiles measure the plan's dtype, so the roofline times the
-    blocks then. ``traffic``: the stack's own bandwidth-bound traffic (``Stack.traffic``;
-    a measured profile holds its runtime's)."""
+    on the host (measured profiles already hold it), ``forward_host_wait`` says how long.
+    ``fp8_cast``: the blocks' linears run in fp8 (``Stack.fp8_cast``); profiles measure the
+    plan's dtype, so the roofline times the blocks then. ``traffic``: the stack's own
+    bandwidth-bound traffic (``Stack.traffic``; a measured profile holds its runtime's)."""
     eff = efficiency
     if profiles is not None:
         if (layer.experts is None or (ep == 1 and load == 1.0)) and not _fp8_layer(layer, fp8_cast):
@@ -280,5 +291,5 @@ def layer_timing(device: DeviceSpec, layer: LayerSpec, micro_batch: int, tp: int
                              sequence_parallel, dtype, attention, ep, load, fp8_cast, traffic)
     host = layer.kernels_fwd * forward_host_s_per_kernel
     if host > timing.forward:
-        timing = replace(timing, forward=host)
+        timing = replace(timing, forward=host, forward_host_wait=host - timing.forward)
     return timing

@@ -284,13 +284,17 @@ def stage_costs(model: ModelSpec, cluster: Cluster, plan: Plan, options: Estimat
         layers = [context_shard(l, cp) for l in model.layers[stage.start:stage.end]]
         tp_groups, dp_groups = tp_groups_of[id(group)], dp_groups_of[id(group)]
         fwd = bwd = bwd_i = bwd_w = 0.0
+        # Per layer, the forward's wait on the host that its tensor-parallel collectives fill
+        # (the least over the group's device types).
+        host_wait = [float("inf")] * len(layers)
         # A group of mixed device types runs at the pace of its slowest member.
         for dev in _group_devices(cluster, group.ranks):
             eff, scale, label = device_timing_inputs(dev, options)
             f = bi = bw = 0.0
-            for layer in layers:
+            for j, layer in enumerate(layers):
                 t = layer_timing(dev, layer, b, tp, sp, dtype, options.profiles, stack.attention, eff, ep, load,
                                  stack.forward_host_s_per_kernel, stack.fp8_cast, traffic)
+                host_wait[j] = min(host_wait[j], t.forward_host_wait * scale)
                 if sources is not None:
                     src = label if label and t.source == "roofline" else t.source
                     prev = sources.get(dev.name)
@@ -305,18 +309,21 @@ def stage_costs(model: ModelSpec, cluster: Cluster, plan: Plan, options: Estimat
         # Tensor-parallel collectives sit on the critical path of every layer.
         tp_f = tp_b = 0.0
         if tp > 1:
-            for i, layer in enumerate(layers, start=stage.start):
+            for j, (i, layer) in enumerate(enumerate(layers, start=stage.start)):
                 # A block's row-parallel outputs are all-reduced; the head's vocabulary-parallel
                 # matmul all-reduces its input gradient (the previous unit's output size).
                 size = (layer.output_bytes if layer.kind != "head"
                         else context_shard(model.layers[max(i - 1, 0)], cp).output_bytes)
+                comm = 0.0
                 if layer.tp_allreduces_fwd:
-                    tp_f += layer.tp_allreduces_fwd * worst(tp_groups, b * size, "all_reduce")
+                    comm += layer.tp_allreduces_fwd * worst(tp_groups, b * size, "all_reduce")
                 if layer.kind == "head" and layer.tp_allreduces_fwd and not stack.vocab_parallel_loss:
                     # The loss needs the full vocabulary on every rank: gather the logits (a head
                     # under operator layouts says itself where its logits are).
-                    tp_f += worst(tp_groups, b * layer.output_bytes, "all_gather")
-            tp_b = tp_f
+                    comm += worst(tp_groups, b * layer.output_bytes, "all_gather")
+                # The backward is not held to the host: its collectives add in full.
+                tp_f += max(0.0, comm - host_wait[j])
+                tp_b += comm
             # The collectives of units under operator layouts (forward and backward apart).
             if pipeline is None:
                 pipeline = _pipeline_groups(plan)   # the same for every stage

@@ -288,7 +288,10 @@ class Tables:
                 # Expert units dispatch and combine by all-to-all, twice each way (as
                 # costmodel.estimate.stage_costs).
                 ep_comm = 2 * experts.dispatch_time(self.cluster, [ep_ranks], layer, b, load) if ep > 1 else 0.0
+                # The forward's collectives fill its wait on the host first; the backward's
+                # add in full (as costmodel.estimate.stage_costs).
                 tp_back = tp_comm
+                tp_comm = max(0.0, tp_comm - t.forward_host_wait * scale)
                 if tp > 1:
                     # The collectives of a unit under operator layouts (forward and backward apart).
                     f_, b_ = layout_comm(self.cluster, [tp_ranks], layer, b)

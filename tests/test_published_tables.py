@@ -231,6 +231,22 @@ def test_amp_layer_check_compares_like_with_like():
     for c in checks:
         assert c.layers == 24 and c.measured_ms > 0 and c.predicted_ms > 0
         assert (c.predicted_tp_ms == 0) == (c.tp == 1)
+        # The host issues the all-reduces too: the forward is max(host, kernels + all-reduces).
+        assert max(c.predicted_compute_ms, c.predicted_tp_ms) <= c.predicted_ms <= \
+            c.predicted_compute_ms + c.predicted_tp_ms + 1e-9
+
+
+@pytest.mark.parametrize("kind", ["homogeneous", "heterogeneous"])
+def test_amp_t4_nodes_link_their_gpus_as_the_source_says(kind):
+    """Li et al. 2022: "4 T4 GPUs with 50 Gbps PCIe connection intra-node bandwidth, and 50 Gbps
+    inter-node bandwidth", both shared by a node's 4 GPUs; the V100 nodes keep NVLink."""
+    from autoplan.units import GB, Gbit
+    cluster = T.amp_cluster(kind)
+    for g in cluster.groups:
+        if g.device.name == "T4-16GB":
+            assert g.intra_node.bandwidth == pytest.approx(50 * Gbit / 4 / GB * GB)
+        else:
+            assert g.intra_node.bandwidth > 100 * GB
 
 
 @pytest.mark.parametrize("blocks,pp,expected", [

@@ -384,6 +384,59 @@ def test_forward_waits_on_a_slow_host(host_us, host_bound):
     assert figs[0].forward == pytest.approx(costs.forward, rel=1e-12)
 
 
+# name: (host microseconds per forward kernel, what the forward's all-reduces add beyond the wait)
+HOST_AND_ALL_REDUCES = {
+    "device-bound-all-reduces-add": (0.0, "all"),
+    "host-wait-hides-part-of-them": (16.0, "part"),
+    "host-wait-hides-them-all": (5000.0, "none"),
+}
+
+
+@pytest.mark.parametrize("name", list(HOST_AND_ALL_REDUCES), ids=list(HOST_AND_ALL_REDUCES))
+def test_forward_all_reduces_fill_the_wait_on_the_host(name):
+    """The host issues a layer's tensor-parallel all-reduces as it issues its kernels and goes
+    on while they run: a forward waiting on the host takes max(host, kernels + all-reduces).
+    The backward's all-reduces add in full; the search's figures follow the estimate's."""
+    from costmodel.comm import collective_time
+    from costmodel.compute import layer_timing
+    from costmodel.estimate import stage_costs
+    from search.evaluate import Setting, Skeleton, analyze
+    from search.tables import Kind, Tables
+    host_us, adds = HOST_AND_ALL_REDUCES[name]
+    model = autoplan.models.transformer(layers=2, hidden=256, heads=4, seq_len=128, vocab=1000)
+    cluster = autoplan.Cluster.homogeneous("T4", 1, 2, intra_node_GBps=1.5)
+    device = cluster.slots[0].device
+    stack = dataclasses.replace(get_stack("megatron-deepspeed"), forward_host_s_per_kernel=host_us * 1e-6)
+    plan = autoplan.Plan.uniform(model, cluster, tp=2, pp=1, dp=1, micro_batch=1, global_batch=1, dtype="fp16")
+    costs = stage_costs(model, cluster, plan, EstimateOptions(stack=stack))[0]
+    bare = stage_costs(model, cluster, plan, EstimateOptions(stack=dataclasses.replace(
+        stack, forward_host_s_per_kernel=0.0)))[0]
+    block = model.layers[1]
+    device_fwd = layer_timing(device, block, 1, 2, False, "fp16").forward
+    comm = block.tp_allreduces_fwd * collective_time(cluster, [0, 1], block.output_bytes, "all_reduce")
+    host = block.kernels_fwd * host_us * 1e-6
+    assert (host <= device_fwd, device_fwd < host < device_fwd + comm, host >= device_fwd + comm) == (
+        adds == "all", adds == "part", adds == "none")
+    # What the forward's all-reduces add beyond the layers' own max(host, kernels).
+    layers_alone = sum(max(l.kernels_fwd * host_us * 1e-6, layer_timing(device, l, 1, 2, False, "fp16").forward)
+                       for l in model.layers)
+    added = costs.forward - layers_alone
+    assert costs.tp_comm_forward == pytest.approx(added, rel=1e-9, abs=1e-15)
+    if adds == "all":
+        assert added == pytest.approx(bare.tp_comm_forward, rel=1e-9)
+    elif adds == "part":
+        assert 0 < added < bare.tp_comm_forward
+    else:
+        assert added == pytest.approx(0.0, abs=1e-15)
+    assert costs.backward == pytest.approx(bare.backward, rel=1e-12)
+    sk = Skeleton(groups=plan.groups, kinds=(Kind(0, 2, 1, plan.cp_comm, 1),))
+    st = Setting(1, plan.num_micro_batches, plan.schedule, 1, 0, False)
+    _, figs = analyze(Tables(model, cluster, dtype="fp16", options=EstimateOptions(stack=stack)), sk, st,
+                      [(0, model.num_layers)], ["none"])
+    assert figs[0].forward == pytest.approx(costs.forward, rel=1e-12)
+    assert figs[0].backward == pytest.approx(costs.backward, rel=1e-12)
+
+
 @pytest.mark.parametrize("margin", [-0.1, 0.6, True], ids=["negative", "too-big", "bool"])
 def test_memory_margin_is_validated(margin):
     with pytest.raises(ConfigError, match="memory_margin"):
