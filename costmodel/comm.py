@@ -149,13 +149,14 @@ def p2p_time(cluster: Cluster, src: Sequence[Sequence[int]], dst: Sequence[Seque
     return worst
 
 
-def zero3_collectives(layers: Sequence, stack) -> int:
-    """Collectives one ZeRO-3 gather of ``layers`` runs, and as many reduce-scatters for
-    their gradients: one per unit, or one per weight matrix where the stack gathers per
-    sub-module (``Stack.zero3_gather_unit``)."""
+def zero3_collectives(layers: Sequence, stack) -> tuple[int, int]:
+    """(all-gathers, reduce-scatters) of ``layers`` in one ZeRO-3 gather pass and one
+    gradient reduction: one each per unit, or, where the stack gathers per sub-module
+    (``Stack.zero3_gather_unit``), one all-gather per weight matrix (its small tensors stay
+    whole on every rank) and one reduce-scatter per parameter tensor."""
     if stack.zero3_gather_unit == "module":
-        return sum(layer.weight_tensors() for layer in layers)
-    return len(layers)
+        return (sum(layer.weight_tensors() for layer in layers), sum(layer.parameter_tensors() for layer in layers))
+    return len(layers), len(layers)
 
 
 def zero3_gather_passes(stack, recompute: str) -> int:

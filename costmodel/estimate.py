@@ -368,12 +368,12 @@ def stage_costs(model: ModelSpec, cluster: Cluster, plan: Plan, options: Estimat
             # Split into one collective per gather unit, each further one pays the latency
             # again, and every one the stack's own work per rank of the group.
             devices = _group_devices(cluster, group.ranks)
-            count = zero3_collectives(layers, stack)
+            gathers, scatters = zero3_collectives(layers, stack)
             per_rank = max(zero3_rank_overhead(stack, d) for d in devices) * max(len(r) for r in dp_groups)
-            gather += (count - 1) * max(collective_latency(cluster, r, "all_gather") for r in dp_groups) \
-                + count * per_rank
-            scatter += (count - 1) * max(collective_latency(cluster, r, "reduce_scatter") for r in dp_groups) \
-                + count * per_rank
+            gather += (gathers - 1) * max(collective_latency(cluster, r, "all_gather") for r in dp_groups) \
+                + gathers * per_rank
+            scatter += (scatters - 1) * max(collective_latency(cluster, r, "reduce_scatter") for r in dp_groups) \
+                + scatters * per_rank
             # The copies around the collectives: on the compute stream, and beside the
             # collectives on theirs.
             bandwidth = min(achieved_memory_bandwidth(d) for d in devices)

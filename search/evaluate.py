@@ -248,10 +248,11 @@ class _GroupFigures:
         if len(colls) == 2:
             # One collective per gather unit (as costmodel.estimate.stage_costs): each
             # further one pays the latency again, every one the stack's work per rank.
-            count = t["cum_zero3_collectives"][b] - t["cum_zero3_collectives"][a]
-            per_rank = count * shards * tables.zero3_rank_overhead(sk.kinds[g].pool)
-            gather = collective(*colls[0]) + (count - 1) * max(a_ for a_, _ in colls[0][1]) + per_rank
-            scatter = collective(*colls[1]) + (count - 1) * max(a_ for a_, _ in colls[1][1]) + per_rank
+            z3 = t["cum_zero3_collectives"]
+            gathers, scatters = z3[0][b] - z3[0][a], z3[1][b] - z3[1][a]
+            per_rank = shards * tables.zero3_rank_overhead(sk.kinds[g].pool)
+            gather = collective(*colls[0]) + (gathers - 1) * max(a_ for a_, _ in colls[0][1]) + gathers * per_rank
+            scatter = collective(*colls[1]) + (scatters - 1) * max(a_ for a_, _ in colls[1][1]) + scatters * per_rank
             # (ZeRO-3's copies, as costmodel.estimate.stage_costs charges them; params: the
             # rank's own, experts / ep.)
             on_compute, beside = tables.zero3_copy_rates(sk.kinds[g].pool)

@@ -105,7 +105,8 @@ class LayerTable:
     cum_cast_params: np.ndarray
     cum_activation: np.ndarray
     cum_zero3_collectives: np.ndarray
-    """Prefix sums of the collectives one ZeRO-3 gather of each unit runs
+    """Prefix sums of the all-gathers (row 0) and reduce-scatters (row 1) of each unit's
+    ZeRO-3 gather pass and gradient reduction: shape (2, units + 1)
     (``costmodel.comm.zero3_collectives``)."""
     cum_kernels: np.ndarray
     """Prefix sums of the kernels the host issues for one micro-batch of each unit, by
@@ -254,7 +255,8 @@ class Tables:
         # pool's first tensor shard.
         ep_ranks = tuple(first + j * tp for j in range(ep))
         n = model.num_layers
-        fwd, tpf, bw, params, cast, out, zparams, eparams, gathers, z3 = (np.zeros(n) for _ in range(10))
+        fwd, tpf, bw, params, cast, out, zparams, eparams, gathers = (np.zeros(n) for _ in range(9))
+        z3 = np.zeros((2, n))
         stack = self.stack
         eff, scale, label = device_timing_inputs(dev, self.options)
         bi = np.zeros((3, n))
@@ -321,7 +323,8 @@ class Tables:
                        kern_q, gathered, zero3_collectives([layer], stack))
                 memo[memo_key] = row
             (fwd[i], tpf[i], bi_q, bw[i], params[i], cast[i], out[i], act_q, trans_q, src, zparams[i],
-             eparams[i], kern_q, gathers[i], z3[i]) = row
+             eparams[i], kern_q, gathers[i], z3_i) = row
+            z3[:, i] = z3_i
             bi[:, i], act[:, i], trans[:, i], kern[:, i] = bi_q, act_q, trans_q, kern_q
             sources.add(src)
 

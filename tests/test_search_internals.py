@@ -909,14 +909,20 @@ def test_zero3_gathers_as_the_stack_runs_them(name):
     zero1 = stage_costs(GPT, CLUSTER, replace(plan, zero=1), options)[0]
     params = sum(layer.params.at(1) for layer in GPT.layers)
     dp_group = plan.groups[0].dp_groups()[0]
-    count = zero3_collectives(GPT.layers, stack)
-    assert count == (sum(layer.weight_tensors() for layer in GPT.layers) if unit == "module" else len(GPT.layers))
+    gathers, scatters = zero3_collectives(GPT.layers, stack)
+    # Per module: every weight matrix gathered, every parameter tensor (biases and norm
+    # scales too) reduce-scattered on its own; per unit: one of each.
+    if unit == "module":
+        assert gathers == sum(layer.weight_tensors() for layer in GPT.layers)
+        assert scatters == sum(layer.param_tensors for layer in GPT.layers) > gathers
+    else:
+        assert gathers == scatters == len(GPT.layers)
     per_rank = 16 * zero3_rank_overhead(stack, CLUSTER.groups[0].device)
     assert (per_rank > 0) == (stack_name == "deepspeed-2021")
     gather = (collective_time(CLUSTER, dp_group, params * stack.gathered_weights_bytes_per_param, "all_gather")
-              + (count - 1) * collective_latency(CLUSTER, dp_group, "all_gather") + count * per_rank)
+              + (gathers - 1) * collective_latency(CLUSTER, dp_group, "all_gather") + gathers * per_rank)
     scatter = (collective_time(CLUSTER, dp_group, params * stack.grad_reduce_bytes_per_param, "reduce_scatter")
-               + (count - 1) * collective_latency(CLUSTER, dp_group, "reduce_scatter") + count * per_rank)
+               + (scatters - 1) * collective_latency(CLUSTER, dp_group, "reduce_scatter") + scatters * per_rank)
     if overlapped:
         assert zero3.forward == pytest.approx(max(zero1.forward, gather), rel=1e-12)
     else:

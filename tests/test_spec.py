@@ -28,6 +28,20 @@ def test_block_flops_match_closed_form(name):
     assert 2.0 <= block.flops_bwd.total / block.flops_fwd.total <= 2.2
 
 
+# name: (weight matrices, parameter tensors) of one block, by its architecture: GPT-3's
+# separate q/k/v, output and two MLP linears with biases and two LayerNorms (scale and bias);
+# Llama's q/k/v/o and three SwiGLU linears without biases and two RMSNorm scales.
+BLOCK_TENSORS = {"gpt3-1.3b": (6, 16), "llama3-8b": (7, 9)}
+
+
+@pytest.mark.parametrize("name", sorted(BLOCK_TENSORS))
+def test_block_counts_its_weight_matrices_and_parameter_tensors(name):
+    """What a per-module ZeRO-3 gathers (weight matrices) and reduce-scatters (every tensor)."""
+    weights, tensors = BLOCK_TENSORS[name]
+    block = next(l for l in autoplan.models.get(name).layers if l.kind == "block")
+    assert (block.weight_tensors(), block.param_tensors, block.parameter_tensors()) == (weights, tensors, tensors)
+
+
 @pytest.mark.parametrize("name", ["gpt3-175b", "llama3-405b"])
 def test_large_spec_extraction_measures_every_layer(name):
     """A model of hundreds of billions of parameters is measured on meta (one block, then

@@ -636,7 +636,8 @@ def _layer_spec(name: str, unit: nn.Module, base: _Measurement, wide: _Measureme
         activation_bytes=ActivationBytes(none=none, selective=selective, full=full),
         output_bytes=base.output_bytes,
         tp_allreduces_fwd=_tp_allreduces(unit) if sharded else 0,
-        causal=causal, experts=experts, recompute_prefix=_recompute_prefix(base, w, autocast))
+        causal=causal, experts=experts, recompute_prefix=_recompute_prefix(base, w, autocast),
+        param_tensors=sum(1 for _ in unit.parameters()))
 
 
 def _recompute_prefix(base: _Measurement, wide: _Measurement, autocast: _Measurement | None = None) -> RecomputePrefix:

@@ -217,6 +217,9 @@ class LayerSpec:
     recompute_prefix: RecomputePrefix | None = None
     """What an early-stopping checkpoint re-runs of the forward (None: not measured; the
     whole forward)."""
+    param_tensors: int = 0
+    """Parameter tensors of the unit (weights, biases, norm scales); 0: not counted (taken as
+    its weight matrices, ``weight_tensors``)."""
 
     def __post_init__(self):
         # Specs are hashed on every cost lookup; compute the hash once.
@@ -240,6 +243,10 @@ class LayerSpec:
         """Weight matrices its matmuls read, or one tensor where none does (an embedding
         table): what an engine that gathers per sub-module gathers one at a time."""
         return sum(1 for g in self.gemms_fwd if not g.in_core) or 1
+
+    def parameter_tensors(self) -> int:
+        """Its parameter tensors, or its weight matrices where they were not counted."""
+        return self.param_tensors or self.weight_tensors()
 
 
 @dataclass(frozen=True)

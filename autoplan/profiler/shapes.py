@@ -187,7 +187,8 @@ def spec_from_dict(d: dict, where: str = "spec") -> LayerSpec:
         output_bytes=num(r, "output_bytes"), tp_allreduces_fwd=r.int("tp_allreduces_fwd", minimum=0, maximum=10**6),
         causal=r.bool("causal"), experts=experts(r.sub("experts", None)),
         attention_fraction=r.float("attention_fraction", 1.0, minimum=0.0, maximum=1.0),
-        recompute_prefix=recompute_prefix(r.sub("recompute_prefix", None)))
+        recompute_prefix=recompute_prefix(r.sub("recompute_prefix", None)),
+        param_tensors=r.int("param_tensors", 0, minimum=0, maximum=10**6))
 
 
 # ------------------------------------------------------------------ shard configs
