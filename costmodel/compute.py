@@ -41,10 +41,11 @@ class LayerTiming:
     time (``hidden_tp_forward``)."""
 
 
-def hidden_tp_forward(timing: LayerTiming, comm: float) -> float:
+def hidden_tp_forward(comm: float, host_wait: float) -> float:
     """Seconds of a layer's forward tensor-parallel communication ``comm`` that add to its
-    ``timing.forward``: what the device's wait on the host does not already cover."""
-    return max(0.0, comm - timing.forward_host_wait)
+    forward: what the device's wait on the host (``LayerTiming.forward_host_wait``) does
+    not already cover."""
+    return max(0.0, comm - host_wait)
 
 
 class ProfileSource(Protocol):

@@ -18,7 +18,7 @@ from costmodel import experts
 from costmodel.calibration import Calibration
 from costmodel.comm import (collective_latency, collective_time, p2p_time, zero3_collectives, zero3_gather_passes,
                              zero3_rank_overhead)
-from costmodel.compute import ALIGNMENT_BYTES, ProfileSource, layer_timing, unaligned_rows
+from costmodel.compute import ALIGNMENT_BYTES, ProfileSource, hidden_tp_forward, layer_timing, unaligned_rows
 from costmodel.context import context_shard, stage_exchange
 from costmodel.efficiency import achieved_memory_bandwidth, default_efficiency
 from costmodel.host import host_costs, layer_host_kernels, pipeline_host_time, with_host
@@ -322,7 +322,7 @@ def stage_costs(model: ModelSpec, cluster: Cluster, plan: Plan, options: Estimat
                     # under operator layouts says itself where its logits are).
                     comm += worst(tp_groups, b * layer.output_bytes, "all_gather")
                 # The backward is not held to the host: its collectives add in full.
-                tp_f += max(0.0, comm - host_wait[j])
+                tp_f += hidden_tp_forward(comm, host_wait[j])
                 tp_b += comm
             # The collectives of units under operator layouts (forward and backward apart).
             if pipeline is None:

@@ -23,7 +23,7 @@ from autoplan.plan import DeviceGroup
 from autoplan.units import DTYPE_BYTES, GiB
 from costmodel import experts
 from costmodel.comm import collective_time, p2p_time, zero3_collectives, zero3_rank_overhead
-from costmodel.compute import layer_timing
+from costmodel.compute import hidden_tp_forward, layer_timing
 from costmodel.context import context_shard, stage_exchange
 from costmodel.efficiency import achieved_memory_bandwidth
 from costmodel.estimate import EstimateOptions, device_timing_inputs, group_degrees, tied_grad_time
@@ -293,7 +293,7 @@ class Tables:
                 # The forward's collectives fill its wait on the host first; the backward's
                 # add in full (as costmodel.estimate.stage_costs).
                 tp_back = tp_comm
-                tp_comm = max(0.0, tp_comm - t.forward_host_wait * scale)
+                tp_comm = hidden_tp_forward(tp_comm, t.forward_host_wait * scale)
                 if tp > 1:
                     # The collectives of a unit under operator layouts (forward and backward apart).
                     f_, b_ = layout_comm(self.cluster, [tp_ranks], layer, b)

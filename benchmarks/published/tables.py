@@ -1084,7 +1084,7 @@ def _amp_blocks(stack: Stack, dtype: str) -> list:
                                                              "all_reduce")
         out.append((LayerCheck(device=device_name, tp=int(tp), layers=len(blocks), measured_ms=float(blocks.median()),
                                measured_spread_ms=(float(blocks.min()), float(blocks.max())),
-                               predicted_ms=(t.forward + hidden_tp_forward(t, comm)) * 1e3,
+                               predicted_ms=(t.forward + hidden_tp_forward(comm, t.forward_host_wait)) * 1e3,
                                predicted_compute_ms=t.forward * 1e3, predicted_tp_ms=comm * 1e3), block))
     return out
 
