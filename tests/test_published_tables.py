@@ -205,6 +205,9 @@ def test_report_figures_are_computed(built):
     for r in rows:
         assert r.ref in section
     assert "Bracketed rows" in section and "Not checking rows" in section
+    # The AMP trial that ran lands in its layout's cell, with its own error.
+    (layout,) = [line for line in section.splitlines() if line.startswith("| 16 x T4 | no | 1 |")]
+    assert layout.split("|")[4].strip() == "1" and f"{amp.time_errors[0]:+.1%}" in layout
 
 
 def test_open_choices_take_the_fastest_fitting_plan(built):

@@ -1299,6 +1299,24 @@ class TablesReport:
             lines += [f"| {s.source} | {s.ref} | {s.reason} |" for s in self.skipped]
         if self.layer_checks:
             lines += ["", *self._layer_lines()]
+        lines += self._amp_layout_lines()
+        return lines
+
+    def _amp_layout_lines(self) -> list[str]:
+        """AMP's trials by layout: where what is left of their error lies."""
+        cells: dict = {}
+        for r in self.results:
+            if r.row.source == "AMP GPT-2 trials" and r.time_error is not None:
+                key = (r.row.group, "no" if r.plan.pp == 1 else "yes", r.plan.tp)
+                cells.setdefault(key, []).append(r.time_error)
+        if not cells:
+            return []
+        lines = ["", "AMP GPT-2 trials by layout, measured / predicted - 1 (mean signed, with the number of trials):",
+                 "", "| cluster | pipelined | tensor-parallel degree | trials | mean signed | range |",
+                 "|---|---|---:|---:|---:|---:|"]
+        for (group, piped, tp), errs in sorted(cells.items()):
+            lines.append(f"| {group} | {piped} | {tp} | {len(errs)} | {_pct(float(np.mean(errs)), True)} | "
+                         f"{_pct(min(errs), True)} to {_pct(max(errs), True)} |")
         return lines
 
     def float8_pairs(self) -> list[tuple[PublishedRow, float, tuple[float, float]]]:
