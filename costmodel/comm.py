@@ -38,51 +38,57 @@ def collective_time(cluster: Cluster, ranks: Sequence[int], nbytes: float, kind:
     nodes = len(per_node)
     if kind == "all_to_all":
         return _all_to_all_time(cluster, ranks, nbytes, eff, per_node)
+    link, intra = _links(cluster, ranks, per_node)
     if nodes == 1:
-        link = cluster.slowest_link(ranks)
-        return factor * ((n - 1) * link.latency + (n - 1) / n * nbytes / (link.bandwidth * eff))
-    # Hierarchical: k GPUs per node (the smallest share bounds the network phase).
-    k = min(per_node.values())
-    inter, intra = _node_links(cluster, ranks)
-    t = factor * (nodes - 1) / nodes * (nbytes / k) / (inter.bandwidth * eff)
-    if k > 1:
-        t += factor * (k - 1) / k * nbytes / (intra.bandwidth * eff)
-    return t + _multi_node_latency(n, nodes, k, inter, intra, kind)
-
-
-def _node_links(cluster: Cluster, ranks: Sequence[int]):
-    """(slowest link between the group's nodes, slowest link inside one of them)."""
-    nodes_ranks = {}
-    for r in ranks:
-        nodes_ranks.setdefault(cluster.slots[r].node, r)
-    inter = cluster.slowest_link(list(nodes_ranks.values()))
-    intra = min((cluster.groups[cluster.slots[r].group].intra_node for r in ranks), key=lambda l: l.bandwidth)
-    return inter, intra
-
-
-def _multi_node_latency(n: int, nodes: int, k: int, inter, intra, kind: str) -> float:
-    """The size-independent part of a collective over ``n`` ranks on ``nodes`` nodes (``k``
-    per node). NCCL runs all-gather and reduce-scatter as one ring through every rank, whose
-    n - 1 steps cross the network nodes - 1 times and stay inside a node the other times
-    (src/graph/tuning.cc: nsteps - nInterSteps intra-node latencies plus nInterSteps network
-    ones); an all-reduce across nodes goes by tree or a ring per node, latency growing with
-    the nodes and the GPUs of one node."""
-    if kind in ("all_gather", "reduce_scatter"):
-        return (n - nodes) * intra.latency + (nodes - 1) * inter.latency
-    return _FACTOR[kind] * ((nodes - 1) * inter.latency + (k - 1) * intra.latency)
+        moved = factor * (n - 1) / n * nbytes / (link.bandwidth * eff)
+    else:
+        # Hierarchical: k GPUs per node (the smallest share bounds the network phase).
+        k = min(per_node.values())
+        moved = factor * (nodes - 1) / nodes * (nbytes / k) / (link.bandwidth * eff)
+        if k > 1:
+            moved += factor * (k - 1) / k * nbytes / (intra.bandwidth * eff)
+    return moved + _latency(n, per_node, link, intra, kind)
 
 
 def collective_latency(cluster: Cluster, ranks: Sequence[int], kind: str) -> float:
     """Seconds a collective over ``ranks`` costs whatever its size (``collective_time`` of a
     vanishing message): what each further collective of a split transfer adds."""
-    n = len(ranks)
-    if n <= 1:
+    if len(ranks) <= 1:
         return 0.0
     per_node = Counter(cluster.slots[r].node for r in ranks)
+    return _latency(len(ranks), per_node, *_links(cluster, ranks, per_node), kind)
+
+
+def _links(cluster: Cluster, ranks: Sequence[int], per_node: Counter):
+    """(the slowest link between the group's nodes, or inside its one node; the slowest link
+    inside a node where the group has more ranks than nodes, else None)."""
     if len(per_node) == 1:
-        return _FACTOR[kind] * (n - 1) * cluster.slowest_link(ranks).latency
-    inter, intra = _node_links(cluster, ranks)
-    return _multi_node_latency(n, len(per_node), min(per_node.values()), inter, intra, kind)
+        return cluster.slowest_link(ranks), None
+    nodes_ranks = {}
+    for r in ranks:
+        nodes_ranks.setdefault(cluster.slots[r].node, r)
+    inter = cluster.slowest_link(list(nodes_ranks.values()))
+    intra = None
+    if len(ranks) > len(per_node):
+        intra = min((cluster.groups[cluster.slots[r].group].intra_node for r in ranks), key=lambda l: l.bandwidth)
+    return inter, intra
+
+
+def _latency(n: int, per_node: Counter, link, intra, kind: str) -> float:
+    """The size-independent part of a collective over ``n`` ranks (``per_node`` of them on each
+    node; ``link``, ``intra`` as ``_links`` gives them). Inside one node, a ring's n - 1
+    steps. NCCL runs all-gather and reduce-scatter as one ring through every rank, whose
+    n - 1 steps cross the network nodes - 1 times and stay inside a node the other times
+    (src/graph/tuning.cc: nsteps - nInterSteps intra-node latencies plus nInterSteps network
+    ones); an all-reduce across nodes goes by tree or a ring per node, latency growing with
+    the nodes and the GPUs of one node."""
+    nodes = len(per_node)
+    if nodes == 1:
+        return _FACTOR[kind] * (n - 1) * link.latency
+    if kind in ("all_gather", "reduce_scatter"):
+        return (n - nodes) * (intra.latency if intra else 0.0) + (nodes - 1) * link.latency
+    k = min(per_node.values())
+    return _FACTOR[kind] * ((nodes - 1) * link.latency + ((k - 1) * intra.latency if k > 1 else 0.0))
 
 
 def _all_to_all_time(cluster: Cluster, ranks: Sequence[int], nbytes: float, eff: float,
