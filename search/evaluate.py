@@ -26,7 +26,7 @@ import numpy as np
 from autoplan.models.spec import ModelSpec
 from autoplan.plan import DeviceGroup, Plan, Stage
 from autoplan.stacks import Stack
-from costmodel.comm import zero3_gather_passes
+from costmodel.comm import zero3_gather_passes, zero3_rank_overhead
 from costmodel.host import pipeline_host_time, with_host
 from search.inflight import inflight
 from search.tables import RECOMPUTES, Kind, Tables
@@ -207,10 +207,15 @@ class _GroupFigures:
             # (Under pipelining the search's stages are those the stack runs there:
             # st.zero is realized, see _Search.zero_options.)
             every = shards > 1 and st.zero >= stack.reduce_every_micro_batch_from_zero
+            zero3 = None
             if st.zero >= 3 and shards > 1:
                 colls = ((stack.gathered_weights_bytes_per_param, tables.dp_affines(group, "all_gather"), "all_gather"),
                          (stack.grad_reduce_bytes_per_param, tables.dp_affines(group, "reduce_scatter"),
                           "reduce_scatter"))
+                # What each further gather or reduce-scatter adds: its latency (the slowest
+                # group's) and the stack's own work per rank of the group.
+                zero3 = (max(a_ for a_, _ in colls[0][1]), max(a_ for a_, _ in colls[1][1]),
+                         shards * zero3_rank_overhead(stack, tables.cluster.groups[sk.kinds[g].pool].device))
             elif every:
                 colls = ((stack.grad_reduce_bytes_per_param, tables.dp_affines(group, "reduce_scatter"),
                           "reduce_scatter"),)
@@ -219,7 +224,7 @@ class _GroupFigures:
                 colls = ((stack.grad_reduce_bytes_per_param, tables.dp_affines(group, kind), kind),)
             else:
                 colls = ()
-            hit = self._of[g] = (t, group, shards, colls, every, tables.cast_field(sk, st, g))
+            hit = self._of[g] = (t, group, colls, zero3, every, tables.cast_field(sk, st, g))
         return hit
 
     def stage(self, j: int, n: int, a: int, b: int, mode: str) -> StageFigures:
@@ -227,7 +232,7 @@ class _GroupFigures:
         tables, sk = self.tables, self.sk
         P = sk.pp
         g = j % P
-        t, group, shards, colls, every, cast_field = self._group(g)
+        t, group, colls, zero3, every, cast_field = self._group(g)
         q = RECOMPUTES.index(mode)
         fwd = t["cum_forward"][b] - t["cum_forward"][a]
         cbi = t["cum_backward_input"][q]
@@ -250,9 +255,9 @@ class _GroupFigures:
             # further one pays the latency again, every one the stack's work per rank.
             z3 = t["cum_zero3_collectives"]
             gathers, scatters = z3[0][b] - z3[0][a], z3[1][b] - z3[1][a]
-            per_rank = shards * tables.zero3_rank_overhead(sk.kinds[g].pool)
-            gather = collective(*colls[0]) + (gathers - 1) * max(a_ for a_, _ in colls[0][1]) + gathers * per_rank
-            scatter = collective(*colls[1]) + (scatters - 1) * max(a_ for a_, _ in colls[1][1]) + scatters * per_rank
+            gather_latency, scatter_latency, per_rank = zero3
+            gather = collective(*colls[0]) + (gathers - 1) * gather_latency + gathers * per_rank
+            scatter = collective(*colls[1]) + (scatters - 1) * scatter_latency + scatters * per_rank
             # (ZeRO-3's copies, as costmodel.estimate.stage_costs charges them; params: the
             # rank's own, experts / ep.)
             on_compute, beside = tables.zero3_copy_rates(sk.kinds[g].pool)

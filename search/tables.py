@@ -22,7 +22,7 @@ from autoplan.models.spec import ModelSpec
 from autoplan.plan import DeviceGroup
 from autoplan.units import DTYPE_BYTES, GiB
 from costmodel import experts
-from costmodel.comm import collective_time, p2p_time, zero3_collectives, zero3_rank_overhead
+from costmodel.comm import collective_time, p2p_time, zero3_collectives
 from costmodel.compute import hidden_tp_forward, layer_timing
 from costmodel.context import context_shard, stage_exchange
 from costmodel.efficiency import achieved_memory_bandwidth
@@ -548,11 +548,6 @@ class Tables:
             hit = self._opt_rate[pool] = (self.stack.optimizer_traffic_bytes_per_param
                                           / achieved_memory_bandwidth(dev))
         return hit
-
-    def zero3_rank_overhead(self, pool: int) -> float:
-        """Seconds each ZeRO-3 collective costs per member of its group in the stack's own
-        code on a device of this pool (``costmodel.comm.zero3_rank_overhead``)."""
-        return zero3_rank_overhead(self.stack, self.cluster.groups[pool].device)
 
     def zero3_copy_rates(self, pool: int) -> tuple[float, float]:
         """Seconds per parameter of ZeRO-3's copies on a device of this pool: those on the
