@@ -1008,8 +1008,6 @@ class LayerCheck:
 
 
 AMP_PROFILE_DEVICES = {"T4": "T4-16GB", "V100": "V100-SXM2-16GB"}
-AMP_INTRA_NODE_GBPS = {"T4-16GB": AMP_T4_INTRA_NODE_GBPS}
-"""Links inside AMP's nodes where the source gives them (the profiles ran on the trials' nodes)."""
 
 
 def write_fitted(stack_name: str, values: dict, sources: dict) -> None:
@@ -1072,8 +1070,10 @@ def _amp_blocks(stack: Stack, dtype: str) -> list:
                            layers=int(r.layers), hidden=int(r.hidden), heads=int(r.heads), seq_len=int(r.seq_len),
                            # Only the block is timed, and it does not depend on the vocabulary.
                            vocab=stack.padded_vocab(int(r.vocab)), dropout=MEGATRON_DROPOUT,
-                           tie_embeddings=True, cluster=nodes_of(device_name, int(tp), 1.0, gpus_per_node=4,
-                                                                 intra_node_GBps=AMP_INTRA_NODE_GBPS.get(device_name)),
+                           # (The profiles ran on the trials' nodes: the same links inside them.)
+                           tie_embeddings=True, cluster=nodes_of(
+                               device_name, int(tp), 1.0, gpus_per_node=4,
+                               intra_node_GBps=AMP_T4_INTRA_NODE_GBPS if device_name == "T4-16GB" else None),
                            tp=int(tp), pp=1, dp=1, global_batch=1, dtype=dtype, stack=stack_name)
         block = next(l for l in model_for(row, stack).layers if l.kind == "block")
         t = layer_timing(device, block, 1, int(tp), False, dtype, None, stack.attention,
