@@ -83,6 +83,11 @@ class Stack:
     """Separate fp32 master weights kept by the optimizer (0 when the weights are fp32)."""
     gradient_bytes_per_param: float = 4.0
     """Gradient accumulation buffer (fp32 main grads = 4, bf16 = 2)."""
+    half_gradient_bytes_per_param: float = 0.0
+    """Half-precision gradients autograd writes that the engine keeps beside that buffer
+    until the next backward frees them (DeepSpeed's BF16 optimizer: 2); 0 where gradients
+    land in the buffer or are freed once added to it. Memory only: the reductions read the
+    buffer."""
     optimizer_bytes_per_param: float = 8.0
     """Optimizer moments (Adam's m and v in fp32 = 8)."""
     gathered_weights_bytes_per_param: float = 2.0
@@ -183,6 +188,12 @@ class Stack:
     the logits are gathered to the full vocabulary on every tensor-parallel rank first."""
     grad_reduce_bytes_per_param: float = 4.0
     """Bytes per parameter the data-parallel gradient reduction moves (fp32 = 4, bf16 = 2)."""
+    grad_reduce_copy_bytes_per_param: float = 0.0
+    """Bytes per local parameter of the copy the data-parallel gradient reduction makes in its
+    communication dtype, held while it runs after the backward (DeepSpeed's engine casts each
+    flat fp32 gradient group of its BF16 optimizer to bf16 whole: 2); 0 where gradients are
+    reduced in place or through bounded buckets (``dp_buffer_bytes``). Below ZeRO-2 only,
+    where a rank reduces its whole gradients at once."""
     sharded_grad_collective: str = "reduce_scatter"
     """How ZeRO-1/2 reduce gradients over the data-parallel group: 'reduce_scatter' (each rank
     receives the sum of its own optimizer shard only) or 'all_reduce' (every rank receives
@@ -403,7 +414,7 @@ class Stack:
         the weights, the gradients, and the master weights with the optimizer moments: the one
         place that says which stage shards what."""
         return ((self.weights_bytes_per_param, self.weights_sharded_from_zero),
-                (self.gradient_bytes_per_param, 2),
+                (self.gradient_bytes_per_param + self.half_gradient_bytes_per_param, 2),
                 (self.master_weights_bytes_per_param + self.optimizer_bytes_per_param, 1))
 
     def state_bytes_per_param(self, dp: int, zero: int) -> float:

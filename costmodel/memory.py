@@ -176,10 +176,14 @@ def transient_bytes(layers: Sequence[LayerSpec], recompute: str, micro_batch: in
 
 def optimizer_step_bytes(layers: Sequence[LayerSpec], tp: int, dp: int, zero: int, stack: Stack,
                          ep: int = 1) -> float:
-    """Temporaries of the optimizer step (after the backward, when activations are gone)."""
+    """Temporaries after the backward, when activations are gone: the optimizer step's, or
+    the copy the gradient reduction makes in its communication dtype
+    (``Stack.grad_reduce_copy_bytes_per_param``), whichever is larger: the copy is freed
+    before the step begins."""
     held, sharded = experts.state_params(layers, tp, ep)
     params = sharded / dp if zero >= 1 else held
-    return params * stack.optimizer_step_bytes_per_param
+    copy = held * stack.grad_reduce_copy_bytes_per_param if dp > 1 and zero < 2 else 0.0
+    return max(params * stack.optimizer_step_bytes_per_param, copy)
 
 
 def communicators(tp: int, shards: int, cp: int, pp: int, ep: int) -> int:

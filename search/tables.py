@@ -368,9 +368,10 @@ class Tables:
         return cast_params * self.stack.weight_cast_bytes_per_param
 
     def step_bytes(self, params: float | np.ndarray, dp: int, zero: int, sharded=None):
-        """Optimizer-step temporaries per GPU (``costmodel.memory.optimizer_step_bytes``)."""
+        """Temporaries per GPU after the backward (``costmodel.memory.optimizer_step_bytes``)."""
         local = ((params if sharded is None else sharded) / dp) if zero >= 1 else params
-        return local * self.stack.optimizer_step_bytes_per_param
+        copy = self.stack.grad_reduce_copy_bytes_per_param if dp > 1 and zero < 2 else 0.0
+        return np.maximum(local * self.stack.optimizer_step_bytes_per_param, params * copy)
 
     def capacity(self, pool: int) -> float:
         """Memory the search lets a GPU of ``pool`` fill: its capacity less the options'

@@ -297,3 +297,24 @@ def test_layer_check_sets_the_step_beyond_its_layers_against_the_model():
     assert {(r.recompute, r.sequence_parallel) for r, _ in steps} == {("full", False), ("selective", True)}
     _, lines = validate.layer_section(steps)
     assert lines[-1].startswith("Beyond its layers") and lines[-1].count("measured") == 3
+
+
+@pytest.mark.parametrize("date,gradient_bytes,buffer_MiB,reduce_bytes", [
+    # From 02-28: DeepSpeed's BF16 optimizer, the stack as shipped: fp32 buffer + kept bf16
+    # gradients, all-reduced in bf16 through a whole-group copy, no ZeRO buckets.
+    ("02-28", 6.0, 0, 2.0),
+    # Before: DeepSpeed's ZeRO-1 optimizer, 2-byte gradients through its two 5e8-element buckets.
+    ("02-27", 2.0, 1907, 2.0),
+], ids=["bf16-optimizer", "zero1-optimizer"])
+def test_bloom_sweep_rows_keep_their_optimizer_s_gradients(date, gradient_bytes, buffer_MiB, reduce_bytes):
+    from autoplan.units import MiB
+    row = next(r for r in T.bloom_sweep() if isinstance(r, T.PublishedRow) and r.ref.startswith(date))
+    stack = dataclasses.replace(get_stack(row.stack), **row.stack_overrides)
+    assert stack.gradient_bytes_per_param + stack.half_gradient_bytes_per_param == gradient_bytes
+    assert stack.dp_buffer_bytes == buffer_MiB * MiB
+    assert stack.grad_reduce_bytes_per_param == reduce_bytes
+    result = T.evaluate_row(row)
+    model = T.model_for(row, stack)
+    first = result.plan.stages[0]
+    params = sum(l.params.at(row.tp) for l in model.layers[first.start:first.end])
+    assert result.est.memory_by_group[0].gradients == pytest.approx(params * gradient_bytes, rel=1e-9)

@@ -940,3 +940,41 @@ def test_zero3_gathers_as_the_stack_runs_them(name):
     gathered = max(layer.largest_weight(1) if unit == "module" else layer.params.at(1) for layer in GPT.layers)
     sharded = est.memory_by_group[0].weights - 2 * gathered * stack.gathered_weights_bytes_per_param
     assert sharded == pytest.approx(params / 16 * stack.weights_bytes_per_param, rel=1e-9)
+
+
+# DeepSpeed's BF16 optimizer (stack megatron-deepspeed): its kept bf16 gradients and the bf16
+# copy its gradient all-reduce makes. Full recomputation keeps the activations small, so
+# the copy after the backward sets the peak where there is a reduction to make.
+GRADIENT_COPY_CASES = {
+    "dp2-zero1-copy-sets-the-peak": dict(tp=1, pp=1, dp=2, zero=1, recompute="full"),
+    "dp1-nothing-to-reduce": dict(tp=1, pp=1, dp=1, zero=0, recompute="full"),
+    "dp2-zero2-scatters-in-buckets": dict(tp=1, pp=1, dp=2, zero=2, recompute="full"),
+    "tp2-pp2-dp2-activations-set-the-peak": dict(tp=2, pp=2, dp=2, zero=1, recompute="none"),
+}
+
+
+@pytest.mark.parametrize("name", list(GRADIENT_COPY_CASES), ids=list(GRADIENT_COPY_CASES))
+def test_gradient_copies_weigh_alike_in_search_and_estimate(name):
+    case = GRADIENT_COPY_CASES[name]
+    stack = get_stack("megatron-deepspeed")
+    cluster = Cluster.homogeneous("A100-SXM4-80GB", 1, 8)
+    plan = Plan.uniform(GPT, cluster, micro_batch=1, global_batch=16, **case)
+    options = EstimateOptions(stack=stack)
+    tables = Tables(GPT, cluster, options=options)
+    sk, st = skeleton_of(plan, cluster), setting_of(plan, tables)
+    analysis, _ = analyze(tables, sk, st, [(s.start, s.end) for s in plan.stages], [s.recompute for s in plan.stages])
+    est = estimate(GPT, cluster, plan, stack=stack)
+    for mine, theirs in zip(analysis.memory, est.memory_by_group):
+        assert mine == pytest.approx(theirs.total, rel=1e-9)
+    group = est.memory_by_group[0]
+    params = sum(layer.params.at(plan.groups[0].tp) for layer in GPT.layers[plan.stages[0].start:plan.stages[0].end])
+    copy = params * stack.grad_reduce_copy_bytes_per_param
+    if name == "dp2-zero1-copy-sets-the-peak":
+        assert group.transient + group.activations == pytest.approx(copy, rel=1e-9)
+    elif name == "tp2-pp2-dp2-activations-set-the-peak":
+        assert group.transient + group.activations > copy
+    else:
+        assert group.transient + group.activations < copy
+    # The bf16 gradients the optimizer keeps sit beside its fp32 buffer until ZeRO-2 shards both.
+    shards = plan.zero >= 2 and plan.groups[0].dp or 1
+    assert group.gradients == pytest.approx(params * 6 / shards, rel=1e-9)

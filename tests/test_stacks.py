@@ -235,6 +235,9 @@ def test_published_per_parameter_figures():
     # with Adam; Megatron-LM's distributed optimizer: 6 + 12/d with fp32 gradients.
     assert get_stack("deepspeed").state_bytes_per_param(1, 0) == 16
     assert get_stack("megatron-core").state_bytes_per_param(8, 1) == pytest.approx(6 + 12 / 8)
+    # DeepSpeed's BF16 optimizer: the fp32 accumulation buffer and the bf16 gradients kept
+    # beside it, 4 bytes per parameter more than fp16 ZeRO-1's 2 (BigScience's chronicles).
+    assert get_stack("megatron-deepspeed").state_bytes_per_param(8, 1) == pytest.approx(2 + 6 + 12 / 8)
 
 
 def test_autocast_copies_count_for_fp32_weight_stacks():

@@ -49,7 +49,7 @@ from autoplan.errors import ConfigError  # noqa: E402
 from autoplan.models.spec import ModelSpec  # noqa: E402
 from autoplan.plan import Plan  # noqa: E402
 from autoplan.stacks import STACK_DIR, Stack, get_stack  # noqa: E402
-from autoplan.units import GB, Gbit, GiB  # noqa: E402
+from autoplan.units import GB, Gbit, GiB, MiB  # noqa: E402
 from costmodel import estimate  # noqa: E402
 from costmodel.comm import collective_time  # noqa: E402
 from costmodel.compute import hidden_tp_forward, layer_timing  # noqa: E402
@@ -631,6 +631,19 @@ def bloom_run() -> list:
     return out
 
 
+DEEPSPEED_ZERO1_OPTIMIZER = dict(
+    sharded_grad_collective="reduce_scatter", grad_reduce_bytes_per_param=2.0, grad_reduce_copy_bytes_per_param=0.0,
+    gradient_bytes_per_param=2.0, half_gradient_bytes_per_param=0.0, dp_buffer_bytes=1907 * MiB,
+    weight_grad_traffic_bytes_per_param=0.0)
+"""What the megatron-deepspeed stack (DeepSpeed's BF16 optimizer) changes under DeepSpeed's
+ZeRO-1 optimizer (deepspeed/runtime/zero/stage_1_and_2.py), which the BLOOM sweep ran before
+2022-02-28: gradients accumulate in the parameters' 2-byte .grad (BigScience's chronicles:
+"fp16 which grad accumulates in fp16"), each reduced to the rank owning its partition
+(average_tensor, reduce_scatter=True) in that dtype through two 5e8-element buckets of 2 bytes
+(zero/config.py defaults: reduce_bucket_size, allgather_bucket_size), and no per-micro-batch
+passes copy them into an fp32 buffer."""
+
+
 def bloom_sweep() -> list:
     out = []
     for r in _read("bloom_2022_topology_sweep.csv").itertuples():
@@ -656,13 +669,7 @@ def bloom_sweep() -> list:
             confidence="high (numbers); medium (heads of the 02-21 tables, recompute and ZeRO-1 assumed by the "
                        "data set)",
             group="BF16 optimizer (fp32 gradients)" if bf16_optimizer else "ZeRO-1 before it (2-byte gradients)",
-            # DeepSpeed's ZeRO-1 optimizer reduces each gradient to the rank owning its
-            # partition (stage_1_and_2.py average_tensor, reduce_scatter=True) in the
-            # parameters' 2-byte dtype, where the BF16 optimizer all-reduces fp32 gradients;
-            # nor had it the BF16 optimizer's per-micro-batch passes over the gradients.
-            stack_overrides={} if bf16_optimizer else dict(sharded_grad_collective="reduce_scatter",
-                                                           grad_reduce_bytes_per_param=2.0,
-                                                           weight_grad_traffic_bytes_per_param=0.0),
+            stack_overrides={} if bf16_optimizer else DEEPSPEED_ZERO1_OPTIMIZER,
             note="2nd-iteration time only"))
     return out
 
@@ -712,7 +719,9 @@ def mtnlg() -> list:
             tie_embeddings=True, cluster=nodes_of("A100-SXM4-80GB", int(r.num_gpus), SELENE_GBPS),
             cluster_note=SELENE, tp=int(r.tp), pp=int(r.pp), dp=int(r.dp), global_batch=int(r.global_batch),
             micro_batch=None, virtual=1, recompute=None, recompute_options=RECOMPUTE_2021, zero=(0, 1),
-            stack="megatron-deepspeed",
+            # Trained in 2021, before DeepSpeed had its BF16 optimizer (2022): 16-bit
+            # gradients, reduced in 16 bits through DeepSpeed's buckets.
+            stack="megatron-deepspeed", stack_overrides=DEEPSPEED_ZERO1_OPTIMIZER,
             measured_time_s=float(r.iter_time_s), confidence="low (secondary source)",
             note="DeepSpeed pipeline engine (no interleaving); vocabulary 50,272 from the secondary source"))
     return out
@@ -785,10 +794,13 @@ def amp_trials() -> list:
             # DeepSpeed's fp16 optimizer without ZeRO keeps the fp16 gradients autograd writes
             # (the tied embedding's are all-reduced so between the first and last stage) and
             # allocates no ZeRO buckets; its data-parallel all-reduce runs in fp32
-            # (fp32_allreduce), as the stack's does, and it has none of the BF16 optimizer's
-            # per-micro-batch passes over the gradients.
-            stack_overrides=dict(gradient_bytes_per_param=2.0, dp_buffer_bytes=0.0,
-                                 weight_grad_traffic_bytes_per_param=0.0),
+            # (fp32_allreduce in AMP's examples/ds_config.json): allreduce_bucket flattens the
+            # fp16 gradients and casts the flat copy to fp32 (2 + 4 bytes per parameter, in
+            # buckets of 5e8 elements, more than a GPT-2 24x1024 rank holds), and it has none
+            # of the BF16 optimizer's per-micro-batch passes over the gradients.
+            stack_overrides=dict(gradient_bytes_per_param=2.0, half_gradient_bytes_per_param=0.0,
+                                 dp_buffer_bytes=0.0, grad_reduce_bytes_per_param=4.0,
+                                 grad_reduce_copy_bytes_per_param=6.0, weight_grad_traffic_bytes_per_param=0.0),
             note="DeepSpeed fp16 optimizer without ZeRO: fp16 gradients, no ZeRO buckets, fp32 all-reduce"))
     return out
 
@@ -827,12 +839,15 @@ SOURCES: tuple[Source, ...] = (
            "amp_bf16 runs (FSDP mixed precision DEFAULT) on llm-foundry, bf16 runs with PURE on llm-foundry-pure-bf16"),
     Source("BLOOM 176B run", bloom_run, "megatron-deepspeed"),
     Source("BLOOM topology sweep", bloom_sweep, "megatron-deepspeed",
-           "the stack describes the BF16 optimizer the sweep used from 02-28 on; the earlier rows kept 2-byte "
-           "gradients, 2 B/param less than the stack's fp32 gradient buffer"),
+           "the stack describes the BF16 optimizer the sweep used from 02-28 on; the earlier rows ran DeepSpeed's "
+           "ZeRO-1 optimizer (2-byte gradients reduce-scattered through its buckets: 4 B/param less than the BF16 "
+           "optimizer's fp32 buffer and the bf16 gradients it keeps beside it), set per row"),
     Source("Narayanan 2021 T2", narayanan_table2, "megatron-lm-2021 / deepspeed-2021",
            "PTD-P rows on megatron-lm-2021, ZeRO-3 rows on deepspeed"),
     Source("DeepSpeed Azure ZeRO-3 (low confidence)", deepspeed_azure, "deepspeed", "nothing rebuildable"),
-    Source("MT-NLG 530B (secondary)", mtnlg, "megatron-deepspeed", "MT-NLG trained on Megatron-DeepSpeed"),
+    Source("MT-NLG 530B (secondary)", mtnlg, "megatron-deepspeed",
+           "MT-NLG trained on Megatron-DeepSpeed, in 2021: with DeepSpeed's 16-bit gradients of the time (set per "
+           "row), not the BF16 optimizer of 2022 the stack describes"),
     Source("AMP GPT-2 trials", amp_trials, "megatron-deepspeed",
            "AMP ran Megatron-LM v1.1.5's model code on DeepSpeed's pipeline engine (explicit attention, Apex fused "
            "LayerNorm, gradients reduced after the pipeline flush, blocking p2p), which is what this stack "
