@@ -318,3 +318,14 @@ def test_bloom_sweep_rows_keep_their_optimizer_s_gradients(date, gradient_bytes,
     first = result.plan.stages[0]
     params = sum(l.params.at(row.tp) for l in model.layers[first.start:first.end])
     assert result.est.memory_by_group[0].gradients == pytest.approx(params * gradient_bytes, rel=1e-9)
+
+
+def test_network_table_marks_the_choice_and_the_tables_that_made_it():
+    from benchmarks.published import validate
+    rhos = {1: {"a_13B": 0.5, "b_30B": 0.9}, 8: {"a_13B": 0.8, "b_30B": 0.7}}
+    lines = validate.network_table_lines(rhos, fitting={"a_13B"}, chosen=8)
+    header = next(line for line in lines if line.startswith("| table"))
+    assert header.endswith("| 8 adapters (25 GB/s) * |") and "1 adapter (3.125 GB/s) |" in header
+    rows = {line.split(" | ")[0][2:]: line for line in lines if line.startswith("| a_") or line.startswith("| b_")}
+    assert rows["a_13B"] == "| a_13B | fit | 0.50 | 0.80 |"
+    assert rows["b_30B"] == "| b_30B | check | 0.90 | 0.70 |"

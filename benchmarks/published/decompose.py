@@ -124,7 +124,7 @@ def hagemann_rows() -> tuple[list[dict], float]:
     """The Hagemann runs that ran, each with its own attention and norm kernels, on the
     network the report chooses (``fa2``: a FlashAttention-2 run, the ones the report ranks)."""
     H = validate.hagemann_frame()
-    gbps, _ = validate.fit_hagemann_network(H)
+    gbps, _, _ = validate.fit_hagemann_network(H[H.fitting])   # (the choice reads the fitting tables only)
     out, specs = [], {}
     for r in H[H.status == "ok"].itertuples():
         stack = validate.hagemann_stack(r.kernel_raw)

@@ -434,23 +434,43 @@ def table_spearman(R: pd.DataFrame) -> dict[str, float]:
     return out
 
 
-def fit_hagemann_network(df: pd.DataFrame) -> tuple[float, list[str]]:
+def fit_hagemann_network(df: pd.DataFrame) -> tuple[float, list[str], pd.DataFrame]:
     """The sweep cluster's per-GPU inter-node bandwidth, which the source does not give: the
     number of HDR adapters per node whose predictions rank the fitting tables' runs best
-    (mean rank correlation; ties go to more adapters). Returns it in GB/s with the report's
-    lines on the choice; the checking tables never enter it."""
-    fit = df[df.fitting & df.fa2]
-    scores = {}
+    (mean rank correlation; ties go to more adapters). Every table is estimated on every
+    candidate, so the report can show how much the unknown figure moves each ranking; the
+    choice reads the fitting tables only. Returns it in GB/s, the report's lines on the
+    choice, and the runs estimated on it."""
+    runs, rhos = {}, {}
     for adapters in HAGEMANN_ADAPTERS_PER_NODE:
-        gbps = adapters * HDR_ADAPTER_GBPS / 8
-        scores[adapters] = float(np.nanmean(list(table_spearman(evaluate_hagemann(fit, gbps)).values())))
+        runs[adapters] = evaluate_hagemann(df, adapters * HDR_ADAPTER_GBPS / 8)
+        rhos[adapters] = table_spearman(runs[adapters])
+    fitting = set(df[df.fitting].table)
+    scores = {a: float(np.nanmean([v for t, v in rhos[a].items() if t in fitting])) for a in rhos}
     best = max(HAGEMANN_ADAPTERS_PER_NODE, key=lambda a: (round(scores[a], 3), a))
     gbps = best * HDR_ADAPTER_GBPS / 8
     lines = [f"Cluster network (not given by the source): {best} HDR adapters per 8-GPU node, {gbps:g} GB/s per GPU "
              "between nodes, chosen by the mean rank correlation of predicted and measured step time over the "
              "fitting tables (FlashAttention-2 runs that ran): "
-             + ", ".join(f"{a} adapters {scores[a]:.3f}" for a in HAGEMANN_ADAPTERS_PER_NODE) + ".", ""]
-    return gbps, lines
+             + ", ".join(f"{a} adapters {scores[a]:.3f}" for a in HAGEMANN_ADAPTERS_PER_NODE) + ".", "",
+             *network_table_lines(rhos, fitting, best)]
+    return gbps, lines, runs[best]
+
+
+def network_table_lines(rhos: dict[int, dict[str, float]], fitting: set[str], chosen: int) -> list[str]:
+    """Rank correlation per table on each candidate network (``rhos[adapters][table]``), the
+    chosen one marked: the checking tables' columns show how much the figure the source
+    leaves out moves them, not what chose it."""
+    options = sorted(rhos)
+    head = [f"{a} adapter{'s' if a > 1 else ''} ({a * HDR_ADAPTER_GBPS / 8:g} GB/s)" + (" *" if a == chosen else "")
+            for a in options]
+    lines = ["Rank correlation per table on each candidate network (`*` the chosen one; only the fitting "
+             "tables choose it):", "", "| table | set | " + " | ".join(head) + " |",
+             "|---|---|" + "---:|" * len(options)]
+    for table in sorted(set().union(*(r.keys() for r in rhos.values()))):
+        cells = [f"{rhos[a].get(table, float('nan')):.2f}" for a in options]
+        lines.append(f"| {table} | {'fit' if table in fitting else 'check'} | " + " | ".join(cells) + " |")
+    return lines + [""]
 
 
 def residual_lines(R: pd.DataFrame) -> list[str]:
@@ -669,8 +689,7 @@ def main(argv=None) -> int:
         host = tables.fit_forward_host_time()
         print(f"  megatron-deepspeed forward host time: {host * 1e6:.0f} us per kernel")
     time_lines, time_by_stack = time_section()
-    network_GBps, network_lines = fit_hagemann_network(H)
-    R = evaluate_hagemann(H, network_GBps)
+    network_GBps, network_lines, R = fit_hagemann_network(H)
     hag_lines, hag_stats = hagemann_section(R)
     hag_lines = network_lines + hag_lines
     meas_lines, meas = measured_section()
