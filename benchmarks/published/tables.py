@@ -852,7 +852,8 @@ SOURCES: tuple[Source, ...] = (
            "AMP ran Megatron-LM v1.1.5's model code on DeepSpeed's pipeline engine (explicit attention, Apex fused "
            "LayerNorm, gradients reduced after the pipeline flush, blocking p2p), which is what this stack "
            "describes; the deepspeed stack is DeepSpeed ZeRO with HuggingFace models and FlashAttention. AMP's "
-           "fp16 optimizer keeps fp16 gradients (the stack: fp32) and allocates no ZeRO buckets: both set per row"),
+           "fp16 optimizer keeps fp16 gradients (the stack: fp32 beside kept bf16 ones), allocates no ZeRO buckets and "
+           "all-reduces in fp32 (the stack: bf16): set per row"),
 )
 
 
