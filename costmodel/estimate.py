@@ -309,11 +309,11 @@ def stage_costs(model: ModelSpec, cluster: Cluster, plan: Plan, options: Estimat
         # Tensor-parallel collectives sit on the critical path of every layer.
         tp_f = tp_b = 0.0
         if tp > 1:
-            for j, (i, layer) in enumerate(enumerate(layers, start=stage.start)):
+            for j, layer in enumerate(layers):
                 # A block's row-parallel outputs are all-reduced; the head's vocabulary-parallel
                 # matmul all-reduces its input gradient (the previous unit's output size).
                 size = (layer.output_bytes if layer.kind != "head"
-                        else context_shard(model.layers[max(i - 1, 0)], cp).output_bytes)
+                        else context_shard(model.layers[max(stage.start + j - 1, 0)], cp).output_bytes)
                 comm = 0.0
                 if layer.tp_allreduces_fwd:
                     comm += layer.tp_allreduces_fwd * worst(tp_groups, b * size, "all_reduce")

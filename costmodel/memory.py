@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
+import numpy as np
+
 from autoplan.models.spec import LayerSpec
 from autoplan.stacks import Stack
 from costmodel import experts
@@ -176,14 +178,21 @@ def transient_bytes(layers: Sequence[LayerSpec], recompute: str, micro_batch: in
 
 def optimizer_step_bytes(layers: Sequence[LayerSpec], tp: int, dp: int, zero: int, stack: Stack,
                          ep: int = 1) -> float:
-    """Temporaries after the backward, when activations are gone: the optimizer step's, or
-    the copy the gradient reduction makes in its communication dtype
-    (``Stack.grad_reduce_copy_bytes_per_param``), whichever is larger: the copy is freed
-    before the step begins."""
+    """Temporaries after the backward, when activations are gone (``after_backward_bytes``)."""
     held, sharded = experts.state_params(layers, tp, ep)
-    params = sharded / dp if zero >= 1 else held
-    copy = held * stack.grad_reduce_copy_bytes_per_param if dp > 1 and zero < 2 else 0.0
-    return max(params * stack.optimizer_step_bytes_per_param, copy)
+    return float(after_backward_bytes(held, sharded, dp, zero, stack))
+
+
+def after_backward_bytes(held, sharded, dp: int, zero: int, stack: Stack):
+    """Bytes a rank holding ``held`` parameters (``sharded`` of them under ZeRO's division by
+    ``dp``; floats or arrays alike, for the search's tables) keeps after the backward: the
+    optimizer step's temporaries, or the copy the gradient reduction makes in its
+    communication dtype (``Stack.grad_reduce_copy_bytes_per_param``, below ZeRO-2 where a
+    rank reduces its whole gradients), whichever is larger: the copy is freed before the
+    step begins."""
+    step = (sharded / dp if zero >= 1 else held) * stack.optimizer_step_bytes_per_param
+    copy = held * (stack.grad_reduce_copy_bytes_per_param if dp > 1 and zero < 2 else 0.0)
+    return np.maximum(step, copy)
 
 
 def communicators(tp: int, shards: int, cp: int, pp: int, ep: int) -> int:

@@ -28,8 +28,8 @@ from costmodel.context import context_shard, stage_exchange
 from costmodel.efficiency import achieved_memory_bandwidth
 from costmodel.estimate import EstimateOptions, device_timing_inputs, group_degrees, tied_grad_time
 from costmodel.host import HostCosts, host_costs, layer_host_kernels
-from costmodel.memory import (activation_bytes, communicators, transient_bytes, zero3_gathered_params,
-                              zero3_working_set)
+from costmodel.memory import (activation_bytes, after_backward_bytes, communicators, transient_bytes,
+                              zero3_gathered_params, zero3_working_set)
 from costmodel.redistribute import layout_comm
 
 RECOMPUTES = ("none", "selective", "full")
@@ -368,10 +368,8 @@ class Tables:
         return cast_params * self.stack.weight_cast_bytes_per_param
 
     def step_bytes(self, params: float | np.ndarray, dp: int, zero: int, sharded=None):
-        """Temporaries per GPU after the backward (``costmodel.memory.optimizer_step_bytes``)."""
-        local = ((params if sharded is None else sharded) / dp) if zero >= 1 else params
-        copy = self.stack.grad_reduce_copy_bytes_per_param if dp > 1 and zero < 2 else 0.0
-        return np.maximum(local * self.stack.optimizer_step_bytes_per_param, params * copy)
+        """Temporaries per GPU after the backward (``costmodel.memory.after_backward_bytes``)."""
+        return after_backward_bytes(params, params if sharded is None else sharded, dp, zero, self.stack)
 
     def capacity(self, pool: int) -> float:
         """Memory the search lets a GPU of ``pool`` fill: its capacity less the options'
