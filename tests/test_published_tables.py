@@ -320,6 +320,31 @@ def test_bloom_sweep_rows_keep_their_optimizer_s_gradients(date, gradient_bytes,
     assert result.est.memory_by_group[0].gradients == pytest.approx(params * gradient_bytes, rel=1e-9)
 
 
+@pytest.mark.parametrize("source,ref_part,fused_norm", [
+    # April 2024 docs: the 70B configs ran torchtitan's eager fp32 RMSNorm ...
+    ("torchtitan docs/performance", "395a526: Llama 2 70B, AC full", False),
+    ("torchtitan docs/performance", "1ea476e: Llama 3 70B, AC full", False),
+    # ... the 13B config its Triton kernel ...
+    ("torchtitan docs/performance", "395a526: Llama 2 13B, AC none", True),
+    # ... and the 405B config compiled, which fuses the eager norm.
+    ("torchtitan docs/performance", "3faaa1a: Llama 3.1 405B", True),
+    # December 2024 benchmarks: eager without torch.compile, fused with it.
+    ("torchtitan benchmarks", "Table 1 (1D FSDP, 8B, 8 GPUs): FSDP$", False),
+    ("torchtitan benchmarks", "Table 1 (1D FSDP, 8B, 8 GPUs): FSDP + torch.compile", True),
+], ids=["llama2-70b-eager", "llama3-70b-eager", "llama2-13b-triton", "405b-compiled", "8b-eager", "8b-compiled"])
+def test_torchtitan_rows_normalize_as_their_config_did(source, ref_part, fused_norm, built):
+    exact = ref_part.endswith("$")
+    rows = [r for r in built[source] if isinstance(r, T.PublishedRow)
+            and (r.ref.endswith(ref_part[:-1]) if exact else ref_part in r.ref)]
+    assert rows, ref_part
+    for row in rows:
+        stack = dataclasses.replace(get_stack(row.stack), **row.stack_overrides)
+        assert stack.fused_norm is fused_norm, row.ref
+        assert ("eager fp32 RMSNorm" in row.note) is (not fused_norm), row.note
+        # The eager norm's fp32 copies are in the model the row is estimated with.
+        assert T.model_for(row, stack).config.fused_norm is fused_norm
+
+
 def test_network_table_marks_the_choice_and_the_tables_that_made_it():
     from benchmarks.published import validate
     rhos = {1: {"a_13B": 0.5, "b_30B": 0.9}, 8: {"a_13B": 0.8, "b_30B": 0.7}}

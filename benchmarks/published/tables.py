@@ -505,6 +505,16 @@ def _torchtitan_stack(r) -> tuple[str, dict, str, str]:
     return "torchtitan-float8", {}, "Float8 tensorwise", "Float8 tensorwise"
 
 
+def _torchtitan_eager_norm(r, compiled: bool) -> str:
+    """A note when the run normalized with torchtitan's eager RMSNorm, else ''. Until 2025 its
+    ``norm_type = "rmsnorm"`` built a module that upcasts to fp32 and runs pow, mean, rsqrt and
+    two products as separate kernels, each saved for the backward (torchtitan/models/norms.py);
+    ``fused_rmsnorm`` was a Triton kernel, and torch.compile fuses the eager one. The row's
+    ``norm_type`` is the train_config's at the run's commit."""
+    norm = _text(getattr(r, "norm_type", "")).split(" ")[0]
+    return "eager fp32 RMSNorm (norm_type 'rmsnorm', no compile)" if norm == "rmsnorm" and not compiled else ""
+
+
 def _torchtitan_row(r, source: str, ref: str, device, cluster_note: str, inter_GBps: float, peak) -> PublishedRow:
     ac = _text(r.recompute)
     # torchtitan's selective checkpointing (every n-th layer, or a per-op save list) lies
@@ -513,9 +523,13 @@ def _torchtitan_row(r, source: str, ref: str, device, cluster_note: str, inter_G
     tp, pp, dp = int(r.tp), int(r.pp), int(r.dp)
     local = int(r.local_batch_size)
     compile_ = _text(getattr(r, "torch_compile", "")).lower()
+    compiled = compile_.startswith("yes") or "compile = true" in compile_
     stack, overrides, group, float8 = _torchtitan_stack(r)
-    notes = [f"AC '{ac}' bracketed by none/full" if bracket else "", float8,
-             "torch.compile (not modelled)" if compile_.startswith("yes") or "compile = true" in compile_ else ""]
+    eager_norm = _torchtitan_eager_norm(r, compiled)
+    if eager_norm:
+        overrides = {**overrides, "fused_norm": False}
+    notes = [f"AC '{ac}' bracketed by none/full" if bracket else "", float8, eager_norm,
+             "torch.compile (not modelled)" if compiled else ""]
     return PublishedRow(
         source=source, ref=ref, model=r.model, arch="llama", layers=int(r.layers), hidden=int(r.hidden),
         heads=int(r.heads), kv_heads=int(r.kv_heads), ffn_hidden=int(r.ffn_hidden), seq_len=int(r.seq_len),
