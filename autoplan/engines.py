@@ -369,7 +369,7 @@ def megatron_default_split(plan: Plan, model: "ModelSpec | None" = None) -> bool
 def preset_name(model: "ModelSpec", engine: Engine):
     """The engine's own (module, flavor) for ``model`` when it ships exactly this model
     (any sequence length), else None."""
-    from autoplan.models.config import FUSED_KERNELS
+    from autoplan.models.config import STACK_KERNELS
     from autoplan.models.presets import PRESETS, get_config
     if engine.presets is None or model.name not in engine.presets or model.name not in PRESETS:
         return None
@@ -377,7 +377,7 @@ def preset_name(model: "ModelSpec", engine: Engine):
     # Sequence length and kernel choices (the stack's attention kernel and norm) are not the model.
     same = dataclasses.replace(model.config, seq_len=preset.seq_len, max_positions=None, name=model.name,
                                attention=preset.attention,
-                               **{k: getattr(preset, k) for k in FUSED_KERNELS}).resolved()
+                               **{k: getattr(preset, k) for k in STACK_KERNELS}).resolved()
     return engine.presets[model.name] if same == preset else None
 
 

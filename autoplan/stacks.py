@@ -77,6 +77,10 @@ class Stack:
     fused_swiglu: bool = False
     """A gated MLP's activation runs as one kernel that saves only its two inputs (Megatron's
     bias-SwiGLU fusion); False: the eager ``up * act(gate)``, which also saves the activation."""
+    fp32_loss: bool = True
+    """The cross entropy runs on an fp32 copy of the logits, each of its passes reading and
+    writing 4 bytes per logit; False: on the half-precision logits (2 bytes), or a fused
+    cross-entropy kernel, whose traffic is smaller still."""
     weights_bytes_per_param: float = 2.0
     """Persistent weight copy (bf16 = 2, fp32 = 4)."""
     master_weights_bytes_per_param: float = 4.0
@@ -371,9 +375,9 @@ class Stack:
 
     def model_kernels(self) -> dict:
         """The model-config fields that make the zoo measure a layer as this stack runs it
-        (``TransformerConfig``'s attention and ``fused_*`` kernels)."""
-        from autoplan.models.config import FUSED_KERNELS
-        return {"attention": self.spec_attention, **{k: getattr(self, k) for k in FUSED_KERNELS}}
+        (``TransformerConfig``'s attention, ``fused_*`` kernels and ``fp32_loss``)."""
+        from autoplan.models.config import STACK_KERNELS
+        return {"attention": self.spec_attention, **{k: getattr(self, k) for k in STACK_KERNELS}}
 
     def grad_reduce_kind(self, zero: int) -> str:
         """The collective that reduces gradients over the data-parallel group at ZeRO stage

@@ -756,3 +756,39 @@ def test_estimate_says_where_gemm_rows_are_unaligned(case):
         assert note is None
     else:
         assert says in note and ";" not in note   # (the inputs print as one '; '-separated line)
+
+
+# (stack, its loss runs on an fp32 copy of the logits)
+LOSS_PRECISION_CASES = {
+    "megatron-core-upcasts": ("megatron-core", True),
+    "megatron-deepspeed-upcasts": ("megatron-deepspeed", True),
+    "torchtitan-upcasts": ("torchtitan", True),
+    "autoplan-runtime-upcasts": ("autoplan", True),
+    "aa-scaling-keeps-bf16": ("aa-scaling", False),
+    "llm-foundry-fused-kernel": ("llm-foundry", False),
+}
+
+
+@pytest.mark.parametrize("case", list(LOSS_PRECISION_CASES), ids=list(LOSS_PRECISION_CASES))
+def test_loss_precision_follows_the_stack_into_the_head_only(case):
+    # The loss's passes over an fp32 copy of the logits (the cast, the log-softmax, its
+    # backward and the cast back) move more bytes per logit than on bf16 logits; the blocks
+    # and everything but the head's bandwidth-bound traffic stay as they are.
+    stack_name, upcasts = LOSS_PRECISION_CASES[case]
+    stack = get_stack(stack_name)
+    assert stack.fp32_loss is upcasts and stack.model_kernels()["fp32_loss"] is upcasts
+    seq, vocab = 256, 4096
+    kernels = {k: v for k, v in stack.model_kernels().items() if k != "fp32_loss"}
+    specs = {fp32: autoplan.models.transformer(layers=1, hidden=256, heads=4, seq_len=seq, vocab=vocab,
+                                               fp32_loss=fp32, **kernels) for fp32 in (False, True)}
+    half, full = specs[False].layers, specs[True].layers
+    for a, b in zip(half[:-1], full[:-1]):
+        assert a == b
+    head_half, head_full = half[-1], full[-1]
+    assert head_half.gemms_fwd == head_full.gemms_fwd and head_half.activation_bytes == head_full.activation_bytes
+    logits = seq * vocab
+    extra = (head_full.memory_bytes_fwd.at(1, False) + head_full.memory_bytes_bwd.at(1, False)
+             - head_half.memory_bytes_fwd.at(1, False) - head_half.memory_bytes_bwd.at(1, False))
+    # An fp32 pass reads or writes 2 bytes more per logit than a bf16 one: the cast, the
+    # log-softmax and its backward's several passes, and the cast back come to 16-40 B.
+    assert 16 * logits <= extra <= 40 * logits

@@ -30,9 +30,10 @@ NORM_LAYOUTS = ("pre", "post", "sandwich", "output")
 QK_NORMS = ("none", "head", "full")
 
 
-FUSED_KERNELS = ("fused_norm", "fused_qkv", "fused_softmax", "fused_dropout_add", "fused_swiglu")
-"""The TransformerConfig fields that say which fused kernels the training stack runs (with
-``attention``, the stack's choices rather than the model's: see Stack.model_kernels)."""
+STACK_KERNELS = ("fused_norm", "fused_qkv", "fused_softmax", "fused_dropout_add", "fused_swiglu", "fp32_loss")
+"""The TransformerConfig fields that say how the training stack's kernels run: which fused
+kernels it has and the precision of its loss (with ``attention``, the stack's choices rather
+than the model's: see Stack.model_kernels)."""
 
 
 @dataclass(frozen=True)
@@ -140,6 +141,12 @@ class TransformerConfig:
     its two inputs and recomputes the activation in the backward (Megatron-Core's
     bias-SwiGLU fusion); False = the eager ``up * act(gate)``, which also saves the gate's
     activation. Measurement only (the runtime keeps the eager form)."""
+    fp32_loss: bool = True
+    """The cross entropy runs on an fp32 copy of the logits (``logits.float()`` first:
+    Megatron-LM, Megatron-DeepSpeed, HuggingFace models, torchtitan and this project's
+    runtime); False = on the half-precision logits as the head writes them. Its passes over
+    the logits are bandwidth-bound, and with a large vocabulary they are a visible part of the
+    head's time. Measurement only (the runtime always upcasts)."""
     dropout: float = 0.0
     """Dropout probability on both residual branches and, with 'math' attention, on the
     attention probabilities (Megatron-LM's hidden and attention dropout, GPT-2/3's 0.1).
@@ -193,7 +200,7 @@ class TransformerConfig:
             if v is not None and (not isinstance(v, int) or isinstance(v, bool)):
                 raise ConfigError(name, f"must be an integer, got {str(v)[:40]!r}")
             check_int(v, name, minimum=0 if name in ("num_experts", "top_k") else 1, maximum=top)
-        for name in ("bias", "causal", "tie_embeddings", *FUSED_KERNELS):
+        for name in ("bias", "causal", "tie_embeddings", *STACK_KERNELS):
             v = getattr(c, name)
             if v is not None and not isinstance(v, bool):
                 raise ConfigError(name, f"must be true or false, got {str(v)[:40]!r}")
