@@ -354,3 +354,27 @@ def test_network_table_marks_the_choice_and_the_tables_that_made_it():
     rows = {line.split(" | ")[0][2:]: line for line in lines if line.startswith("| a_") or line.startswith("| b_")}
     assert rows["a_13B"] == "| a_13B | fit | 0.50 | 0.80 |"
     assert rows["b_30B"] == "| b_30B | check | 0.90 | 0.70 |"
+
+
+# (row reference, layers, pipeline depth, micro-batches per step, stack, fp32 loss)
+DGXC_CASES = {
+    "llama-8b-bf16": ("Llama 3.1 8b BF16 (TP=1, PP=1, CP=2, MBS=1, GA=32), 8 GPUs", 32, 1, 32, "megatron-core", False),
+    "llama-405b-fp8-proxy": ("Llama 3.1 405b FP8 (TP=8, PP=9, CP=2, VP=7, MBS=1, GA=63), 96 GPUs", 21, 3, 63,
+                             "megatron-core-fp8", False),
+    "llama-405b-bf16-full": ("Llama 3.1 405b BF16 (TP=8, PP=9, CP=2, VP=7, MBS=1, GA=63), 576 GPUs", 126, 9, 63,
+                             "megatron-core", False),
+    # GPT-3's recipe does not fuse the cross entropy: Megatron's own, on an fp32 copy.
+    "gpt3-175b-bf16": ("GPT 3 175b BF16, 512 GPUs", 96, 8, 64, "megatron-core", True),
+}
+
+
+@pytest.mark.parametrize("case", list(DGXC_CASES), ids=list(DGXC_CASES))
+def test_dgxc_rows_run_as_their_recipes_say(case, built):
+    ref, layers, pp, accumulation, stack_name, fp32_loss = DGXC_CASES[case]
+    row = next(r for r in built["NVIDIA DGX Cloud benchmarking"] if isinstance(r, T.PublishedRow) and r.ref == ref)
+    assert (row.layers, row.pp, row.stack, row.recompute) == (layers, pp, stack_name, "none")
+    assert row.global_batch == row.dp * row.micro_batch * accumulation
+    stack = dataclasses.replace(get_stack(row.stack), **row.stack_overrides)
+    # Apex's distributed Adam with grad_sync_dtype bf16: a bf16 gradient buffer, reduced in bf16.
+    assert stack.gradient_bytes_per_param == 2.0 and stack.grad_reduce_bytes_per_param == 2.0
+    assert stack.fp32_loss is fp32_loss

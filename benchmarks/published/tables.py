@@ -402,6 +402,45 @@ def megatron_bridge() -> list:
     return out
 
 
+def dgxc_benchmarking() -> list:
+    """NVIDIA's DGX Cloud benchmarking recipes (NeMo 24.12 on DGX H100): Llama 3.1 8B/70B/405B
+    (release v25.03) and GPT-3 175B (v25.04.01), each in BF16 (megatron-core) and FP8
+    (megatron-core-fp8: the recipes set fp8_hybrid and fp8_params, delayed scaling), weak-scaled
+    over 8-2,304 GPUs. Their configs set every degree, no recomputation, bf16 gradients
+    (Apex's distributed Adam, grad_sync_dtype bf16) and, for Llama, Megatron's fused cross
+    entropy."""
+    out = []
+    for r in _read("dgxc_benchmarking_2025_h100.csv").itertuples():
+        fp8 = r.precision == "FP8"
+        tp, pp = int(r.tp), int(r.pp)
+        vpp = _int(r.vpp) or 1
+        fused_loss = _text(r.cross_entropy_loss_fusion).startswith("yes")
+        overrides = {}
+        if fused_loss:
+            # Megatron's fused vocabulary-parallel cross entropy reads the bf16 logits: no fp32 copy.
+            overrides["fp32_loss"] = False
+        if _text(r.grad_sync_dtype).startswith("bf16"):
+            # Apex's distributed Adam keeps its contiguous gradient buffer and reduces it in bf16.
+            overrides.update(gradient_bytes_per_param=2.0, grad_reduce_bytes_per_param=2.0)
+        out.append(PublishedRow(
+            source="NVIDIA DGX Cloud benchmarking", ref=f"{r.source_table}, {int(r.num_gpus)} GPUs", model=r.model,
+            arch=r.arch, layers=int(r.layers), hidden=int(r.hidden), heads=int(r.heads), kv_heads=int(r.kv_heads),
+            ffn_hidden=int(r.ffn_hidden), seq_len=int(r.seq_len), vocab=int(r.vocab), dropout=float(r.dropout),
+            tie_embeddings=r.tie_embeddings == "yes", cluster=nodes_of("H100", int(r.num_gpus), 50.0),
+            cluster_note="H100 SXM 80GB (DGX H100); 50 GB/s per GPU between nodes assumed (8 x NDR 400 Gbit/s per "
+                         "node; not stated)",
+            tp=tp, pp=pp, dp=int(r.dp), cp=_int(r.cp) or 1, global_batch=int(r.global_batch),
+            micro_batch=int(r.micro_batch), virtual=vpp if pp > 1 else 1, uneven=vpp > 1, recompute="none",
+            sequence_parallel=r.seq_parallel == "yes", zero=1, stack="megatron-core-fp8" if fp8 else "megatron-core",
+            stack_overrides=overrides, group=r.precision,
+            measured_time_s=float(r.iter_time_s), time_note="training step time as the table gives it",
+            confidence="high (every degree, the batch and the recompute setting are in the recipe)",
+            note="; ".join(n for n in (MEGATRON_FP8_NOTE, "fused cross entropy" if fused_loss else "",
+                                       "bf16 gradients" if "gradient_bytes_per_param" in overrides else "",
+                                       "truncated 405B proxy" if "proxy" in _text(r.notes) else "") if n)))
+    return out
+
+
 def llama3_table4() -> list:
     """Llama 3 405B Table 4 (Meta's internal stack; megatron-core is the nearest shipped stack)."""
     out = []
@@ -838,6 +877,9 @@ SOURCES: tuple[Source, ...] = (
     Source("Megatron-Bridge DGX-H100", megatron_bridge, "megatron-core-fp8-cs / megatron-core-fp8",
            "Transformer Engine's current scaling ('FP8' and 'FP8-CS' from 25.11 on), delayed scaling for the 25.09 "
            "rows whose precision is not stated"),
+    Source("NVIDIA DGX Cloud benchmarking", dgxc_benchmarking, "megatron-core / megatron-core-fp8",
+           "NeMo 24.12 (Megatron-Core with Transformer Engine): BF16 rows on megatron-core, FP8 rows on "
+           "megatron-core-fp8 (the recipes' fp8_hybrid and fp8_params: delayed scaling)"),
     Source("Llama 3 Table 4", llama3_table4, "megatron-core",
            "the nearest shipped stack to Meta's own (bf16 weights, fp32 gradient accumulation and reduce-scatter, "
            "sharded optimizer states)"),
