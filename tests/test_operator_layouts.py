@@ -260,3 +260,16 @@ def test_an_operator_that_cannot_run_on_meta_is_named_not_costed_at_zero():
     node = graph.call_function(no_meta_kernel, (x,))
     with pytest.raises(ConfigError, match="no_meta_kernel.*cannot be run on meta"):
         _traced(node, 1)
+
+
+@pytest.mark.parametrize("fp32_loss,loss_dtype", [(True, "torch.float32"), (False, "torch.bfloat16")],
+                         ids=["upcast", "half-precision"])
+def test_captured_head_takes_the_loss_in_the_stacks_precision(fp32_loss, loss_dtype):
+    # The operator graph's head ends in the same loss the layer spec measures
+    # (autoplan.models.zoo.measured_loss_fn): on an fp32 copy of the logits, or on them.
+    import dataclasses
+    graph = capture_model(dataclasses.replace(get_config("gpt-tiny"), fp32_loss=fp32_loss))
+    head = graph.graphs[graph.units[-1]]
+    assert head.has_loss
+    final = next(n for n in head.nodes if n.name == head.output_node)
+    assert str(final.outputs[0].dtype) == loss_dtype

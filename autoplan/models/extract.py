@@ -701,7 +701,7 @@ def window_fraction(seq_len: int, window: int) -> float:
 
 def spec_from_config(cfg, dtype: str = "bf16") -> ModelSpec:
     """Measure the spec of a zoo architecture (TransformerConfig or SwinConfig)."""
-    from autoplan.models.zoo import build_model, example_inputs, loss_fn
+    from autoplan.models.zoo import build_model, example_inputs, measured_loss_fn
 
     cfg = cfg.resolved()
     torch_dtype = _DTYPES[dtype]
@@ -715,8 +715,7 @@ def spec_from_config(cfg, dtype: str = "bf16") -> ModelSpec:
     # no padding, nothing dropped): the active-parameter work; the cost model applies the
     # routing's capacity factor or imbalance.
     uniform = is_lm
-    # The loss as the stack runs it: on an fp32 copy of the logits, or on them as they are.
-    fp32_loss = getattr(cfg, "fp32_loss", True)
+    loss = measured_loss_fn(cfg)   # (on an fp32 copy of the logits, or on them as they are)
     moe = getattr(cfg, "arch", "") == "moe"
     dense = min(cfg.dense_layers, 1) if moe else 0
     probe_cfg = dataclasses.replace(cfg, layers=1 + dense, **(
@@ -747,8 +746,7 @@ def spec_from_config(cfg, dtype: str = "bf16") -> ModelSpec:
             if sig in cache and not last:
                 m = cache[sig]
             elif last:
-                m = _measure_last(unit, x, lambda o, t=targets: loss_fn(o.float() if fp32_loss else o, t),
-                                  autocast=autocast)
+                m = _measure_last(unit, x, lambda o, t=targets: loss(o, t), autocast=autocast)
             else:
                 m = cache[sig] = _measure(unit, x, autocast=autocast)
             results.append((unit, m))

@@ -439,7 +439,7 @@ def _capture_config(source, dtype: str, micro_batch: int) -> ModelGraph:
 def _capture_config_cached(cfg, dtype: str, micro_batch: int) -> ModelGraph:
     from autoplan.models import config as C
     from autoplan.models.extract import _prepare
-    from autoplan.models.zoo import build_model, example_inputs, loss_fn
+    from autoplan.models.zoo import build_model, example_inputs, measured_loss_fn
 
     if not isinstance(cfg, (C.TransformerConfig, C.SwinConfig)):
         raise ConfigError("model", f"cannot capture {type(cfg).__name__}",
@@ -455,7 +455,8 @@ def _capture_config_cached(cfg, dtype: str, micro_batch: int) -> ModelGraph:
         inputs, targets = example_inputs(probe, 1, device="meta")
     if inputs.is_floating_point():
         inputs = inputs.to(torch_dtype)
-    order, graphs = capture_units(list(model.layers), inputs, targets, loss_fn, cfg.name, dtype, micro_batch)
+    order, graphs = capture_units(list(model.layers), inputs, targets, measured_loss_fn(cfg), cfg.name, dtype,
+                                  micro_batch)
     if uniform:
         emb, block, head = order
         order = (emb,) + (block,) * cfg.layers + (head,)

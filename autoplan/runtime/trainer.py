@@ -31,7 +31,7 @@ from torch.distributed.tensor import DTensor
 from autoplan.data_parallel import data_parallel_choice
 from autoplan.errors import ConfigError
 from autoplan.models.config import SwinConfig, TransformerConfig
-from autoplan.models.zoo import loss_fn as zoo_loss_fn
+from autoplan.models.zoo import fp32_loss_fn
 from autoplan.plan import Plan
 from autoplan.runtime import build as B
 from autoplan.runtime.context import apply_context_parallel, check_context_supported, shard_positions
@@ -291,7 +291,7 @@ class Trainer:
 
         # ---- the schedule program the cost model simulates
         self.program = build_program(plan)
-        loss = _fp32_loss
+        loss = fp32_loss_fn
         # The load-balancing loss's gradient is scaled as the executor scales each
         # micro-batch's loss: the local executor divides the loss, the pipeline runtime
         # divides the gradients afterwards. Its per-step counts start afresh right before
@@ -604,11 +604,6 @@ class Trainer:
                  "config": {k: v for k, v in dataclasses.asdict(self.cfg).items()}}
         return RunRecord(plan=self.plan, model=model, environment=env, run=run, steps=tuple(steps),
                          memory=tuple(sorted((g[0] for g in gathered), key=lambda m: m.rank)))
-
-
-def _fp32_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    # Logits may be bf16 under mixed precision; the softmax and mean are done in fp32.
-    return zoo_loss_fn(output.float(), target)
 
 
 def train(plan: Plan | str | os.PathLike, model: Any, *, steps: int = 10, data=None, out: str | os.PathLike | None = None,

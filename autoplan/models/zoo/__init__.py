@@ -45,6 +45,19 @@ def loss_fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(output.flatten(0, -2), target.flatten())
 
 
+def fp32_loss_fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """``loss_fn`` on an fp32 copy of the output: half-precision logits (mixed precision) get
+    their softmax and mean in fp32, as the runtime trains and most stacks do."""
+    return loss_fn(output.float(), target)
+
+
+def measured_loss_fn(cfg):
+    """The loss as the training stack runs it, for measuring a model: on an fp32 copy of the
+    logits where ``cfg.fp32_loss`` (the default; Swin configs have no such field), else on them
+    as they come."""
+    return fp32_loss_fn if getattr(cfg, "fp32_loss", True) else loss_fn
+
+
 def example_inputs(cfg: TransformerConfig | SwinConfig, batch: int,
                    device: str | torch.device = "meta",
                    generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
