@@ -14,6 +14,7 @@ backward with recomputation and the activations it keeps.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -89,17 +90,18 @@ class _Unit:
     """The input can have a gradient (not token ids)."""
     is_head: bool
     """The unit ends in the loss."""
+    loss: Callable | None = None
+    """The head's loss as the stack runs it (``autoplan.models.zoo.measured_loss_fn``)."""
 
     def forward(self) -> torch.Tensor:
         out = self.module(self.inputs)
         if self.is_head:
-            from autoplan.models.zoo import loss_fn
-            out = loss_fn(out, self.targets)
+            out = self.loss(out, self.targets)
         return out
 
 
 def _build_unit(task: LayerTask, device: str, dtype: str) -> _Unit:
-    from autoplan.models.zoo import build_model, init_parameters
+    from autoplan.models.zoo import build_model, init_parameters, measured_loss_fn
 
     cfg = shard_config(task.config, task.tp)
     if cfg.layers != 1:
@@ -125,7 +127,7 @@ def _build_unit(task: LayerTask, device: str, dtype: str) -> _Unit:
         x.requires_grad_(True)
         float_input = True
     targets = torch.randint(0, cfg.vocab, (b, s), generator=gen).to(device) if is_head else None
-    return _Unit(unit, x, targets, float_input, is_head)
+    return _Unit(unit, x, targets, float_input, is_head, measured_loss_fn(cfg) if is_head else None)
 
 
 def _attention_core(module: torch.nn.Module) -> torch.nn.Module | None:

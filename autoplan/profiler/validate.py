@@ -39,7 +39,7 @@ def measure_model(cfg, micro_batch: int, device: str = "cpu", dtype: str = "fp32
                   policy: RepeatPolicy = RepeatPolicy(warmup=3, repeats=15, min_time_s=0.3)) -> ModelTiming:
     """Median forward and backward of the whole model ``cfg`` (a resolved config) for one
     micro-batch, gradients accumulating as in a training step with several micro-batches."""
-    from autoplan.models.zoo import build_model, example_inputs, loss_fn
+    from autoplan.models.zoo import build_model, example_inputs, measured_loss_fn
 
     torch.manual_seed(0)
     model = build_model(cfg).to(device=device, dtype=TORCH_DTYPES[dtype]).train()
@@ -48,8 +48,10 @@ def measure_model(cfg, micro_batch: int, device: str = "cpu", dtype: str = "fp32
     working_set = sum(p.numel() * p.element_size() for p in model.parameters())
     flush = CacheFlush(device, flush_bytes(device, working_set) if policy.flush else 0)
 
+    criterion = measured_loss_fn(cfg)
+
     def fwd():
-        return loss_fn(model(x), y)
+        return criterion(model(x), y)
 
     fs, bs = [], []
     n = spent = 0
