@@ -88,10 +88,13 @@ class _Unit:
     """Target ids for the head's loss."""
     float_input: bool
     """The input can have a gradient (not token ids)."""
-    is_head: bool
-    """The unit ends in the loss."""
-    loss: Callable | None = None
-    """The head's loss as the stack runs it (``autoplan.models.zoo.measured_loss_fn``)."""
+    loss: Callable | None
+    """The loss the head ends in, as the stack runs it (``autoplan.models.zoo.measured_loss_fn``);
+    None for the other units."""
+
+    @property
+    def is_head(self) -> bool:
+        return self.loss is not None
 
     def forward(self) -> torch.Tensor:
         out = self.module(self.inputs)
@@ -127,7 +130,7 @@ def _build_unit(task: LayerTask, device: str, dtype: str) -> _Unit:
         x.requires_grad_(True)
         float_input = True
     targets = torch.randint(0, cfg.vocab, (b, s), generator=gen).to(device) if is_head else None
-    return _Unit(unit, x, targets, float_input, is_head, measured_loss_fn(cfg) if is_head else None)
+    return _Unit(unit, x, targets, float_input, measured_loss_fn(cfg) if is_head else None)
 
 
 def _attention_core(module: torch.nn.Module) -> torch.nn.Module | None:

@@ -347,24 +347,30 @@ def megatron_2024() -> list:
     return out
 
 
-def _megatron_fp8_row(r, source: str, ref: str, stack: str, confidence: str, note: str) -> PublishedRow:
-    """A Megatron-Core Llama 3 FP8 run (Transformer Engine, FP8 parameters, distributed optimizer)."""
+def _megatron_core_h100_row(r, source: str, ref: str, stack: str, confidence: str, note: str, *,
+                            measured_time_s: float | None = None, time_note: str = "derived from tokens/s per GPU",
+                            **fields) -> PublishedRow:
+    """A Megatron-Core run on DGX H100 with every degree given and no recomputation (Transformer
+    Engine, distributed optimizer): Llama unless ``fields`` say otherwise (arch, dropout, tied
+    embeddings, stack overrides, group). The time is the row's derived one unless given."""
     tp, pp = int(r.tp), int(r.pp)
     vpp = _int(r.vpp) or 1
-    return PublishedRow(
+    row = dict(
         source=source, ref=ref, model=r.model, arch="llama", layers=int(r.layers), hidden=int(r.hidden),
         heads=int(r.heads), kv_heads=int(r.kv_heads), ffn_hidden=int(r.ffn_hidden), seq_len=int(r.seq_len),
         vocab=int(r.vocab), dropout=0.0, cluster=nodes_of("H100", int(r.num_gpus), 50.0),
-        cluster_note="H100 SXM 80GB (DGX H100); 50 GB/s per GPU between nodes assumed (8 x NDR 400 Gbit/s per node; "
-                     "not stated)",
+        cluster_note="H100 SXM 80GB (DGX H100); 50 GB/s per GPU between nodes assumed (8 x NDR 400 Gbit/s per "
+                     "node; not stated)",
         tp=tp, pp=pp, dp=int(r.dp), cp=_int(r.cp) or 1, global_batch=int(r.global_batch),
         micro_batch=int(r.micro_batch), virtual=vpp if pp > 1 else 1, uneven=vpp > 1,
-        # (No recomputation: the recipes behind both tables set none for these models, NeMo
-        # v2.3.0 scripts/performance model_configs_h100.csv and Megatron-Bridge's H100 Llama 3
-        # recipes, recompute_granularity None.)
+        # (No recomputation: the recipes behind these tables set none for these models, NeMo
+        # v2.3.0 scripts/performance model_configs_h100.csv, Megatron-Bridge's H100 Llama 3
+        # recipes, recompute_granularity None, and the DGX Cloud recipes'
+        # activations_checkpoint_granularity null.)
         recompute="none", sequence_parallel=tp > 1, zero=1, stack=stack,
-        measured_time_s=float(r.iter_time_s_derived), time_note="derived from tokens/s per GPU",
-        confidence=confidence, note=note)
+        measured_time_s=float(r.iter_time_s_derived) if measured_time_s is None else measured_time_s,
+        time_note=time_note, confidence=confidence, note=note)
+    return PublishedRow(**{**row, **fields})
 
 
 MEGATRON_FP8_NOTE = "TP communication overlap and the recipe's fusions (not modelled)"
@@ -373,9 +379,9 @@ MEGATRON_FP8_NOTE = "TP communication overlap and the recipe's fusions (not mode
 def megatron_fp8_example() -> list:
     """Megatron-LM examples/llama FP8 table (the 8B script: --fp8-format hybrid, --fp8-param-gather;
     the table matches NeMo v2.3.0's H100 performance configs, delayed scaling by default)."""
-    return [_megatron_fp8_row(r, "Megatron-LM Llama3 FP8 example", f"{r.model} on {int(r.num_gpus)} GPUs",
-                              "megatron-core-fp8", "medium (GPU, recompute and the 70B/405B scripts not stated)",
-                              MEGATRON_FP8_NOTE)
+    return [_megatron_core_h100_row(r, "Megatron-LM Llama3 FP8 example", f"{r.model} on {int(r.num_gpus)} GPUs",
+                                    "megatron-core-fp8", "medium (GPU, recompute and the 70B/405B scripts not stated)",
+                                    MEGATRON_FP8_NOTE)
             for r in _read("megatron_lm_2025_llama3_fp8_example.csv").itertuples()]
 
 
@@ -397,8 +403,8 @@ def megatron_bridge() -> list:
         else:
             stack, note = "megatron-core-fp8", "precision not stated: the launcher's default, delayed scaling; " \
                 + MEGATRON_FP8_NOTE
-        out.append(_megatron_fp8_row(r, "Megatron-Bridge DGX-H100", ref, stack,
-                                     "medium (recompute, optimizer sharding and the network not stated)", note))
+        out.append(_megatron_core_h100_row(r, "Megatron-Bridge DGX-H100", ref, stack,
+                                           "medium (recompute, optimizer sharding and the network not stated)", note))
     return out
 
 
@@ -411,9 +417,6 @@ def dgxc_benchmarking() -> list:
     entropy."""
     out = []
     for r in _read("dgxc_benchmarking_2025_h100.csv").itertuples():
-        fp8 = r.precision == "FP8"
-        tp, pp = int(r.tp), int(r.pp)
-        vpp = _int(r.vpp) or 1
         fused_loss = _text(r.cross_entropy_loss_fusion).startswith("yes")
         overrides = {}
         if fused_loss:
@@ -422,22 +425,16 @@ def dgxc_benchmarking() -> list:
         if _text(r.grad_sync_dtype).startswith("bf16"):
             # Apex's distributed Adam keeps its contiguous gradient buffer and reduces it in bf16.
             overrides.update(gradient_bytes_per_param=2.0, grad_reduce_bytes_per_param=2.0)
-        out.append(PublishedRow(
-            source="NVIDIA DGX Cloud benchmarking", ref=f"{r.source_table}, {int(r.num_gpus)} GPUs", model=r.model,
-            arch=r.arch, layers=int(r.layers), hidden=int(r.hidden), heads=int(r.heads), kv_heads=int(r.kv_heads),
-            ffn_hidden=int(r.ffn_hidden), seq_len=int(r.seq_len), vocab=int(r.vocab), dropout=float(r.dropout),
-            tie_embeddings=r.tie_embeddings == "yes", cluster=nodes_of("H100", int(r.num_gpus), 50.0),
-            cluster_note="H100 SXM 80GB (DGX H100); 50 GB/s per GPU between nodes assumed (8 x NDR 400 Gbit/s per "
-                         "node; not stated)",
-            tp=tp, pp=pp, dp=int(r.dp), cp=_int(r.cp) or 1, global_batch=int(r.global_batch),
-            micro_batch=int(r.micro_batch), virtual=vpp if pp > 1 else 1, uneven=vpp > 1, recompute="none",
-            sequence_parallel=r.seq_parallel == "yes", zero=1, stack="megatron-core-fp8" if fp8 else "megatron-core",
-            stack_overrides=overrides, group=r.precision,
+        note = "; ".join(n for n in (MEGATRON_FP8_NOTE, "fused cross entropy" if fused_loss else "",
+                                     "bf16 gradients" if "gradient_bytes_per_param" in overrides else "",
+                                     "truncated 405B proxy" if "proxy" in _text(r.notes) else "") if n)
+        out.append(_megatron_core_h100_row(
+            r, "NVIDIA DGX Cloud benchmarking", f"{r.source_table}, {int(r.num_gpus)} GPUs",
+            "megatron-core-fp8" if r.precision == "FP8" else "megatron-core",
+            "high (every degree, the batch and the recompute setting are in the recipe)", note,
             measured_time_s=float(r.iter_time_s), time_note="training step time as the table gives it",
-            confidence="high (every degree, the batch and the recompute setting are in the recipe)",
-            note="; ".join(n for n in (MEGATRON_FP8_NOTE, "fused cross entropy" if fused_loss else "",
-                                       "bf16 gradients" if "gradient_bytes_per_param" in overrides else "",
-                                       "truncated 405B proxy" if "proxy" in _text(r.notes) else "") if n)))
+            arch=r.arch, dropout=float(r.dropout), tie_embeddings=r.tie_embeddings == "yes",
+            sequence_parallel=r.seq_parallel == "yes", stack_overrides=overrides, group=r.precision))
     return out
 
 
