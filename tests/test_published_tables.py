@@ -378,3 +378,96 @@ def test_dgxc_rows_run_as_their_recipes_say(case, built):
     # Apex's distributed Adam with grad_sync_dtype bf16: a bf16 gradient buffer, reduced in bf16.
     assert stack.gradient_bytes_per_param == 2.0 and stack.grad_reduce_bytes_per_param == 2.0
     assert stack.fp32_loss is fp32_loss
+
+
+# (row reference, micro-batch, recompute, context parallelism, fp32 loss, fitting): None where
+# the table leaves it open and the report picks the fastest plan predicted to fit. The
+# pretraining table fits the 2024 stack's attention class; the long-sequence table checks it.
+NEMO_CASES = {
+    "gpt3-5b": ("GPT3-5B, 64 GPUs", 4, "none", 1, True, True),
+    "llama3-8b-cp": ("LLAMA3-8B, 8 GPUs", 1, "none", 2, False, True),
+    "long-sequence-1m": ("LLAMA2-7B, 1024K, 1024 GPUs", None, None, 32, True, False),
+}
+
+
+@pytest.mark.parametrize("case", list(NEMO_CASES), ids=list(NEMO_CASES))
+def test_nemo_rows_keep_what_the_tables_give_and_leave_the_rest_open(case, built):
+    ref, micro_batch, recompute, cp, fp32_loss, fitting = NEMO_CASES[case]
+    row = next(r for r in built[T.NEMO_2024] if r.ref == ref)
+    assert (row.micro_batch, row.recompute, row.cp, row.fitting) == (micro_batch, recompute, cp, fitting)
+    assert row.stack == "megatron-core-2024-fp8"
+    assert row.tp * row.pp * row.cp * row.dp == row.cluster.num_gpus
+    assert dataclasses.replace(get_stack(row.stack), **row.stack_overrides).fp32_loss is fp32_loss
+
+
+def _non_causal_flops_per_token(r) -> float:
+    """6 x (block and LM-head parameters) + 12 l h s: the count the pretraining table's TFLOP/s use."""
+    h, ffn, layers = r.hidden, r.ffn_hidden, r.layers
+    kv = 2 * h * h * r.kv_heads / r.heads
+    mlp = (3 if r.arch == "llama" else 2) * h * ffn
+    return 6 * layers * (2 * h * h + kv + mlp) + 12 * layers * h * r.seq_len + 6 * h * r.vocab
+
+
+def test_nemo_long_sequence_times_use_the_count_the_pretraining_table_shows():
+    df = T._read("nemo_2024_h100_performance.csv")
+    pretraining = df[df.source_table.str.startswith("Pretraining")]
+    long_sequence = df[df.source_table.str.startswith("Long")]
+    assert len(pretraining) == 9 and len(long_sequence) == 9
+    for r in pretraining.itertuples():
+        # The table gives both tokens/s and TFLOP/s: their ratio is the FLOPs it counts per token.
+        assert r.tflops_per_gpu * 1e12 / r.tokens_per_s_per_gpu == pytest.approx(_non_causal_flops_per_token(r),
+                                                                                  rel=2e-3), r.model
+        assert r.iter_time_s_derived == pytest.approx(r.global_batch * r.seq_len / (r.tokens_per_s_per_gpu
+                                                                                     * r.num_gpus), rel=1e-4)
+    for r in long_sequence.itertuples():
+        tokens = r.global_batch * r.seq_len
+        assert r.iter_time_s_derived == pytest.approx(
+            tokens * _non_causal_flops_per_token(r) / (r.tflops_per_gpu * 1e12 * r.num_gpus), rel=1e-4)
+
+
+def test_fitting_rows_stay_out_of_the_checking_figures():
+    rows = [r for r in T.build([T.NEMO_2024]) if r.ref in ("LLAMA2-7B, 8 GPUs", "LLAMA2-7B, 4K, 4 GPUs")]
+    assert [r.fitting for r in rows] == [True, False]
+    rep = T.evaluate(rows)
+    checking = next(r for r in rep.results if not r.row.fitting)
+    assert rep.time_errors_by_stack() == {"megatron-core-2024-fp8": [checking.time_error]}
+    assert rep.stats(T.NEMO_2024).rows == 1
+    fitting_part = rep.stats(T.NEMO_2024, "pretraining (24.07, fitting)")
+    assert fitting_part.rows == 1 and len(fitting_part.time_errors) == 1
+    assert "1 more fitted a figure of the stack" in rep.summary_lines()[0]
+
+
+WHAT_IF_CASES = {
+    "text": (["attention=flash2"], {"attention": "flash2"}),
+    "boolean": (["fused_norm=false"], {"fused_norm": False}),
+    "number": (["zero3_kernels_per_rank=2"], {"zero3_kernels_per_rank": 2}),
+    "file-unit": (["nccl_MiB_per_group=128"], {"nccl_bytes_per_group": 128 * 2 ** 20}),
+    "several": (["attention=flash3", "fp32_loss=true"], {"attention": "flash3", "fp32_loss": True}),
+}
+
+
+@pytest.mark.parametrize("case", list(WHAT_IF_CASES), ids=list(WHAT_IF_CASES))
+def test_what_if_reads_stack_fields(case):
+    items, expected = WHAT_IF_CASES[case]
+    assert T.parse_what_if(items) == expected
+
+
+@pytest.mark.parametrize("item", ["bogus=1", "attention", "=flash2"])
+def test_what_if_names_the_bad_field(item):
+    from autoplan.errors import ConfigError
+    with pytest.raises(ConfigError, match="--what-if"):
+        T.parse_what_if([item])
+
+
+# (dated stack, the stack it varies): the 2024 stacks differ from them in the attention class only.
+DATED_STACKS = {"bf16": ("megatron-core-2024", "megatron-core"),
+                "fp8": ("megatron-core-2024-fp8", "megatron-core-fp8")}
+
+
+@pytest.mark.parametrize("case", list(DATED_STACKS), ids=list(DATED_STACKS))
+def test_2024_stacks_differ_in_attention_only(case):
+    dated, current = (get_stack(name) for name in DATED_STACKS[case])
+    differ = {f.name for f in dataclasses.fields(dated)
+              if getattr(dated, f.name) != getattr(current, f.name)} - {"name", "description", "version", "sources"}
+    assert differ == {"attention"}
+    assert dated.sources["attention"].startswith("fitted")

@@ -114,7 +114,9 @@ def public_rows() -> list[dict]:
         if res.measured_time_s is None:
             continue
         stack = dataclasses.replace(get_stack(r.stack), **r.stack_overrides)
-        source = f"{r.source} ({r.group})" if r.group and r.source.startswith("Narayanan") else r.source
+        # Parts on different stacks, or a part that fitted its stack, are shown apart.
+        apart = r.source.startswith("Narayanan") or r.source == tables.NEMO_2024
+        source = f"{r.source} ({r.group})" if r.group and apart else r.source
         out.append(_record(source, r.ref, res.measured_time_s, res.est, tables.model_for(r, stack),
                            r.cluster.groups[0].device, stack))
     return out

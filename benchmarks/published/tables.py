@@ -149,6 +149,9 @@ class PublishedRow:
     confidence: str = "high"
     group: str = ""
     """A part of the source reported separately (e.g. its runs on another stack or cluster)."""
+    fitting: bool = False
+    """The row fitted a figure of its stack: reported as its own part, left out of the
+    source's checking figures, of the totals and of the stack's interval."""
     note: str = ""
 
     @property
@@ -340,7 +343,7 @@ def megatron_2024() -> list:
                          "(DGX H100, 8 x NDR 400 Gbit/s per node; not stated)",
             tp=tp, pp=pp, dp=dp, global_batch=int(r.global_batch), micro_batch=None,
             virtual=None if pp > 1 else 1, recompute=None, sequence_parallel=tp > 1, zero=1,
-            stack="megatron-core", measured_time_s=float(r.iter_time_s_derived),
+            stack="megatron-core-2024", measured_time_s=float(r.iter_time_s_derived),
             time_note="derived from TFLOP/s with Megatron-Core r0.8.0's FLOP formula",
             confidence="high (table); medium (derived time; bf16, micro-batch, recompute, interleaving not stated)",
             note="--tp-comm-overlap (not modelled); distributed optimizer and SP implied by the overlap flags"))
@@ -362,7 +365,7 @@ def _megatron_core_h100_row(r, source: str, ref: str, stack: str, confidence: st
         cluster_note="H100 SXM 80GB (DGX H100); 50 GB/s per GPU between nodes assumed (8 x NDR 400 Gbit/s per "
                      "node; not stated)",
         tp=tp, pp=pp, dp=int(r.dp), cp=_int(r.cp) or 1, global_batch=int(r.global_batch),
-        micro_batch=int(r.micro_batch), virtual=vpp if pp > 1 else 1, uneven=vpp > 1,
+        micro_batch=_int(r.micro_batch), virtual=vpp if pp > 1 else 1, uneven=vpp > 1,
         # (No recomputation: the recipes behind these tables set none for these models, NeMo
         # v2.3.0 scripts/performance model_configs_h100.csv, Megatron-Bridge's H100 Llama 3
         # recipes, recompute_granularity None, and the DGX Cloud recipes'
@@ -435,6 +438,43 @@ def dgxc_benchmarking() -> list:
             measured_time_s=float(r.iter_time_s), time_note="training step time as the table gives it",
             arch=r.arch, dropout=float(r.dropout), tie_embeddings=r.tie_embeddings == "yes",
             sequence_parallel=r.seq_parallel == "yes", stack_overrides=overrides, group=r.precision))
+    return out
+
+
+NEMO_2024 = "NeMo performance summary (DGX-H100)"
+
+
+def nemo_performance() -> list:
+    """NeMo's 2024 DGX-H100 FP8 tables: the pretraining summary of the 24.07 container (GPT-3 and
+    Llama 2/3, every degree and the micro-batch given) and the long-sequence table of 24.03.01
+    (Llama 2 7B at 4K-1M tokens with context parallelism; micro-batch, recompute and
+    interleaving not given). FP8 as delayed scaling (the launcher's fp8_hybrid); the
+    optimizer's dtypes and FP8 parameters are not stated, so the megatron-core-fp8 stack's are
+    assumed, on the attention of 2024's software (megatron-core-2024-fp8)."""
+    out = []
+    for r in _read("nemo_2024_h100_performance.csv").itertuples():
+        long_sequence = r.source_table.startswith("Long")
+        fused_loss = r.cross_entropy_loss_fusion == "yes"
+        ref = (f"{r.model}, {int(r.seq_len) // 1024}K, {int(r.num_gpus)} GPUs" if long_sequence
+               else f"{r.model}, {int(r.num_gpus)} GPUs")
+        # The pretraining rows' launcher configs set no recomputation (the builder's default).
+        unstated = dict(recompute=None, virtual=None if int(r.pp) > 1 else 1) if long_sequence else {}
+        out.append(_megatron_core_h100_row(
+            r, NEMO_2024, ref, "megatron-core-2024-fp8",
+            "medium (degrees and batch given; the launcher configs' recompute; optimizer dtypes and FP8 parameters "
+            "not stated)"
+            if not long_sequence else "medium (TFLOP/s only; micro-batch, recompute and interleaving not stated)",
+            "; ".join(n for n in ("" if long_sequence else "fitting row (the stack's attention class)",
+                                  MEGATRON_FP8_NOTE, "fused cross entropy" if fused_loss else "") if n),
+            time_note="derived from TFLOP/s per GPU with the pretraining table's FLOP count" if long_sequence
+            else "derived from tokens/s per GPU",
+            arch=r.arch, dropout=float(r.dropout), tie_embeddings=r.tie_embeddings == "yes",
+            sequence_parallel=r.seq_parallel == "yes",
+            stack_overrides={"fp32_loss": False} if fused_loss else {},
+            # The pretraining table chose the stack's attention class (validate.py --fit); the
+            # long-sequence table, four to 256 times longer sequences, only checks it.
+            group="long sequence (24.03.01)" if long_sequence else "pretraining (24.07, fitting)",
+            fitting=not long_sequence, **unstated))
     return out
 
 
@@ -868,7 +908,8 @@ class Source:
 
 
 SOURCES: tuple[Source, ...] = (
-    Source("Megatron-LM 2024 H100", megatron_2024, "megatron-core", "Megatron-Core r0.8.0"),
+    Source("Megatron-LM 2024 H100", megatron_2024, "megatron-core-2024",
+           "Megatron-Core r0.8.0 (the table's label; added to the README in July 2024)"),
     Source("Megatron-LM Llama3 FP8 example", megatron_fp8_example, "megatron-core-fp8",
            "Transformer Engine FP8 with delayed scaling (--fp8-format hybrid) and FP8 parameters, as the 8B script"),
     Source("Megatron-Bridge DGX-H100", megatron_bridge, "megatron-core-fp8-cs / megatron-core-fp8",
@@ -877,6 +918,10 @@ SOURCES: tuple[Source, ...] = (
     Source("NVIDIA DGX Cloud benchmarking", dgxc_benchmarking, "megatron-core / megatron-core-fp8",
            "NeMo 24.12 (Megatron-Core with Transformer Engine): BF16 rows on megatron-core, FP8 rows on "
            "megatron-core-fp8 (the recipes' fp8_hybrid and fp8_params: delayed scaling)"),
+    Source(NEMO_2024, nemo_performance, "megatron-core-2024-fp8",
+           "NeMo 24.03-24.07 (Megatron-Core with Transformer Engine 1.x), FP8 with delayed scaling; the stack's FP8 "
+           "parameters and bf16 gradients are assumed (the tables do not state them); its attention class is fitted on "
+           "the pretraining table"),
     Source("Llama 3 Table 4", llama3_table4, "megatron-core",
            "the nearest shipped stack to Meta's own (bf16 weights, fp32 gradient accumulation and reduce-scatter, "
            "sharded optimizer states)"),
@@ -910,9 +955,11 @@ SOURCES: tuple[Source, ...] = (
 )
 
 
-def build(sources: Iterable[str] | None = None, limit: int | None = None) -> list:
+def build(sources: Iterable[str] | None = None, limit: int | None = None, what_if: dict | None = None) -> list:
     """Rows and skipped entries of the named sources (all by default), at most ``limit``
-    checking rows per source (skipped entries are always all listed)."""
+    checking rows per source (skipped entries are always all listed). ``what_if`` sets stack
+    fields on every row, over what the row itself sets: a diagnostic of how much one
+    assumption moves a source, never a fit."""
     names = [s.name for s in SOURCES]
     wanted = list(sources) if sources else names
     for name in wanted:
@@ -929,6 +976,8 @@ def build(sources: Iterable[str] | None = None, limit: int | None = None) -> lis
                 if limit is not None and kept >= limit:
                     continue
                 kept += 1
+                if what_if:
+                    r = dataclasses.replace(r, stack_overrides={**r.stack_overrides, **what_if})
             out.append(r)
     return out
 
@@ -1238,8 +1287,9 @@ class TablesReport:
         return seen
 
     def stats(self, source: str, group: str | None = None) -> SourceStats:
-        """Figures of a source (or of one of its groups)."""
-        res = [r for r in self.results if r.row.source == source and group in (None, r.row.group)]
+        """Figures of a source's checking rows (or of one of its groups, fitting or not)."""
+        res = [r for r in self.results if r.row.source == source
+               and (r.row.group == group if group is not None else not r.row.fitting)]
         br = [b for b in self.brackets if b.row.source == source and group in (None, b.row.group)]
         clean = [r for r in res if r.fits_agrees is not None]
         failed = [r for r in res if r.row.status == "failed"]
@@ -1259,7 +1309,7 @@ class TablesReport:
         by the stack it ran on (bracketed rows have no single prediction and are left out)."""
         out: dict[str, list[float]] = {}
         for r in self.results:
-            if (e := r.time_error) is not None:
+            if not r.row.fitting and (e := r.time_error) is not None:
                 out.setdefault(r.row.stack, []).append(e)
         return out
 
@@ -1269,6 +1319,9 @@ class TablesReport:
         for name in self.sources():
             s = self.stats(name)
             parts = [f"{s.rows} rows, {s.skipped} skipped"]
+            fitting = sum(r.row.fitting for r in self.results if r.row.source == name)
+            if fitting:
+                parts[0] += f" ({fitting} more fitted a figure of the stack: their part below, not in the figures)"
             if s.time_errors:
                 parts.append(f"iteration-time MAPE **{_pct(s.time_mape)}** over {len(s.time_errors)} rows "
                              f"(mean signed {_pct(s.time_signed, True)})")
@@ -1319,7 +1372,10 @@ class TablesReport:
                 s = self.stats(name, group)
                 agree = (f"{s.agree}/{s.outcomes}" if s.oom_rows else
                          (f"({s.agree}/{s.outcomes} fit)" if s.outcomes else ""))
-                label = name if group is None else f"&nbsp;&nbsp;of which {group}"
+                fitting = group is not None and any(r.row.fitting for r in self.results
+                                                      if r.row.source == name and r.row.group == group)
+                label = (name if group is None else f"&nbsp;&nbsp;apart: {group}" if fitting
+                         else f"&nbsp;&nbsp;of which {group}")
                 skipped = s.skipped if group is None else ""
                 lines.append(f"| {label} | {by_name[name].stack if group is None else ''} | {s.rows} | {skipped} | "
                              f"{_pct(s.time_mape)} | {_pct(s.time_signed, True)} | {agree} | {_pct(s.memory_mape)} | "
@@ -1466,12 +1522,35 @@ class TablesReport:
 
 
 def report(sources: Iterable[str] | None = None, limit: int | None = None,
-           progress: Callable[[str], None] | None = None, layers: bool = True) -> TablesReport:
+           progress: Callable[[str], None] | None = None, layers: bool = True,
+           what_if: dict | None = None) -> TablesReport:
     """Build, estimate and collect every published source (the AMP layer check included)."""
-    rep = evaluate(build(sources, limit), progress)
+    rep = evaluate(build(sources, limit, what_if), progress)
     if layers and (sources is None or "AMP GPT-2 trials" in sources):
         rep.layer_checks = amp_layer_checks()
     return rep
+
+
+def parse_what_if(items: Iterable[str]) -> dict:
+    """``FIELD=VALUE`` pairs as stack overrides. FIELD is spelled as stack files and ``autoplan
+    stacks NAME`` spell it (``nccl_MiB_per_group``: converted to the field's SI unit) or as the
+    Stack field; VALUE is read as JSON where it parses (numbers, true/false), else as text."""
+    from autoplan.stacks import _FILE_KEYS, _FILE_UNITS
+    fields = {f.name for f in dataclasses.fields(Stack)}
+    by_file_key = {key: (name, _FILE_UNITS[name]) for name, key in _FILE_KEYS.items()}
+    out = {}
+    for item in items:
+        name, sep, text = item.partition("=")
+        field_name, unit = by_file_key.get(name, (name, 1))
+        if not sep or field_name not in fields:
+            raise ConfigError("--what-if", f"{item!r} is not FIELD=VALUE with a stack field",
+                              "e.g. --what-if attention=flash2 (the fields: autoplan stacks megatron-core)")
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError:
+            value = text
+        out[field_name] = value * unit if unit != 1 and isinstance(value, (int, float)) else value
+    return out
 
 
 def main(argv=None) -> int:
@@ -1479,9 +1558,12 @@ def main(argv=None) -> int:
     ap.add_argument("--source", action="append", help="only this source (repeatable); default: all")
     ap.add_argument("--limit", type=int, default=None, help="at most this many checking rows per source")
     ap.add_argument("--out", default=None, help="also write the section as markdown to this file")
+    ap.add_argument("--what-if", action="append", default=[], metavar="FIELD=VALUE",
+                    help="estimate every row with this stack field set (repeatable; e.g. attention=flash2): how "
+                         "much one assumption moves a source, never written anywhere but --out")
     args = ap.parse_args(argv)
     start = time.perf_counter()
-    rep = report(args.source, args.limit, progress=print)
+    rep = report(args.source, args.limit, progress=print, what_if=parse_what_if(args.what_if))
     text = ["# Cost model against the published runs under benchmarks/published/data", "",
             *rep.summary_lines(), "", *rep.section_lines(), "",
             f"({len(rep.results)} rows estimated in {time.perf_counter() - start:.0f} s)", ""]
