@@ -10,8 +10,8 @@ between repeats):
   These are what ``costmodel.compute.gemm_time`` models (tiles, waves, split-K).
 * **fused attention** (``F.scaled_dot_product_attention``, flash backend) forward and
   backward at head dims 64/128 and sequence lengths 1k-16k, causal and not.
-* **bandwidth-bound kernels**: copy, add, GELU, RMSNorm, softmax, cross-entropy over
-  large tensors (bytes moved / time).
+* **bandwidth-bound kernels**: copy, add, GELU, RMSNorm, softmax, cross-entropy, dropout
+  and an eager bias-dropout-add over large tensors (bytes moved / time).
 * **alignment**: linear layers whose width is not a multiple of 8 (an unpadded vocabulary
   head) beside padded ones, in the three orientations autograd runs them.
 
@@ -208,6 +208,10 @@ def measure_bandwidth(dtype: torch.dtype, flush) -> list[dict]:
             "rms_norm": (lambda: F.rms_norm(x2, (h,), w), 2 * numel * e),
             "softmax": (lambda: torch.softmax(x2, dim=-1), 2 * numel * e),
             "cross_entropy_fp32": (lambda: F.cross_entropy(logits.float(), target), numel * (e + 4 + 4)),
+            # Dropout draws its mask from the random state (Philox) and keeps it, one byte per element.
+            "dropout": (lambda: torch.native_dropout(x, 0.1, True), numel * (2 * e + 1)),
+            # Megatron's bias-dropout-add as eager PyTorch runs it (its fused kernel is not timed here).
+            "bias_dropout_add": (lambda: y.view(-1, h) + F.dropout(x2 + w, 0.1, True), numel * (3 * e + 1)),
         }
         for name, (fn, nbytes) in cases.items():
             t = timed(fn, flush=flush)

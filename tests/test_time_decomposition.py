@@ -89,3 +89,26 @@ def _runs(kernel: str, fa2: bool, piped_ratio: float, flat_ratio: float, n: int 
 def test_kernel_batch_gaps(runs, expected):
     gaps = kernel_batch_gaps(pd.DataFrame(runs))
     assert {r.kernel: round(r.gap, 9) for r in gaps.itertuples()} == pytest.approx(expected)
+
+
+def _rows(dropout: float, slope: float) -> pd.DataFrame:
+    """Six Megatron-Core rows whose error is ``slope`` x their attention share."""
+    share = np.linspace(0.05, 0.30, 6)
+    predicted = np.full(6, 10.0)
+    return pd.DataFrame(dict(stack="megatron-core-fp8", dropout=dropout, attention=share * predicted,
+                             bandwidth=share[::-1] * predicted, predicted=predicted,
+                             measured=predicted * (1 + slope * share)))
+
+
+def test_dropout_view_separates_the_rows_that_train_with_dropout():
+    from benchmarks.published.decompose import dropout_lines
+    others = pd.DataFrame(dict(stack=["torchtitan"] * 6, dropout=0.1, attention=1.0, bandwidth=1.0, predicted=10.0,
+                               measured=20.0))
+    lines = dropout_lines(pd.concat([_rows(0.1, 0.5), _rows(0.0, 0.0), others], ignore_index=True))
+    cells = [[c.strip() for c in line.strip()[1:-1].split("|")] for line in lines[2:]]
+    rows = {c[0]: c for c in cells}
+    assert set(rows) == {"dropout 0.1", "no dropout"}
+    assert rows["dropout 0.1"][1] == "6" and rows["dropout 0.1"][4] == "+0.50"      # only its own stack's rows
+    assert rows["dropout 0.1"][5] == "+1.00" and rows["dropout 0.1"][6] == "-1.00"  # attention, bandwidth
+    assert rows["no dropout"][4] == "+0.00" and rows["no dropout"][2] == "+0.0%"
+    assert rows["no dropout"][5] == ""                                               # no error to rank

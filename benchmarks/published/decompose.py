@@ -93,7 +93,7 @@ def row_parts(est, model, device, stack) -> dict[str, float]:
 
 
 def _record(source: str, ref: str, measured: float, est, model, device, stack, **extra) -> dict:
-    return dict(source=source, ref=ref, measured=measured, predicted=est.iteration_time_s,
+    return dict(source=source, ref=ref, measured=measured, predicted=est.iteration_time_s, stack=stack.name,
                 **row_parts(est, model, device, stack), **extra)
 
 
@@ -118,7 +118,7 @@ def public_rows() -> list[dict]:
         apart = r.source.startswith("Narayanan") or r.source == tables.NEMO_2024
         source = f"{r.source} ({r.group})" if r.group and apart else r.source
         out.append(_record(source, r.ref, res.measured_time_s, res.est, tables.model_for(r, stack),
-                           r.cluster.groups[0].device, stack))
+                           r.cluster.groups[0].device, stack, dropout=r.dropout, fitting=r.fitting))
     return out
 
 
@@ -175,8 +175,8 @@ def shares_lines(df: pd.DataFrame) -> list[str]:
 
 
 def factor_lines(df: pd.DataFrame) -> list[str]:
-    groups = (("compute", COMPUTE_KINDS), ("gemm", ("gemm",)), ("bandwidth", ("bandwidth",)), ("tp", ("tp",)),
-              ("bubble", ("bubble",)), ("dp", ("dp",)))
+    groups = (("compute", COMPUTE_KINDS), ("gemm", ("gemm",)), ("attention", ("attention",)),
+              ("bandwidth", ("bandwidth",)), ("tp", ("tp",)), ("bubble", ("bubble",)), ("dp", ("dp",)))
     head = ["source"] + [f"{name} x (MAPE)" for name, _ in groups]
     lines = ["| " + " | ".join(head) + " |", "|---|" + "---:|" * (len(head) - 1)]
     for source, g in df.groupby("source", sort=False):
@@ -188,6 +188,28 @@ def factor_lines(df: pd.DataFrame) -> list[str]:
             mape = float(np.mean(np.abs(m / (p + (f - 1.0) * part) - 1.0))) if f == f else float("nan")
             cells.append(f"{_num(f)} ({_pct(mape)})" if f == f else "—")
         lines.append(f"| {source} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def dropout_lines(df: pd.DataFrame) -> list[str]:
+    """Rows on the Megatron-Core stacks with fused attention, those that train with dropout
+    and those without: the error against the fused-attention share of the predicted time, and
+    its rank correlation with that share and with the bandwidth-bound share."""
+    mc = df[df["stack"].fillna("").str.startswith("megatron-core") & (df.attention > 0)]
+    lines = ["| rows | count | mean signed | error at zero attention share | slope | Spearman, attention share | "
+             "Spearman, bandwidth-bound share |", "|---|---:|---:|---:|---:|---:|---:|"]
+
+    def rho(x: np.ndarray, y: np.ndarray) -> float:
+        return spearmanr(x, y).correlation if np.ptp(x) > 0 and np.ptp(y) > 0 else float("nan")
+
+    for label, g in (("dropout 0.1", mc[mc.dropout > 0]), ("no dropout", mc[mc.dropout == 0])):
+        if len(g) < 5:
+            continue
+        share = (g.attention / g.predicted).to_numpy()
+        err = (g.measured / g.predicted - 1).to_numpy()
+        slope, intercept = np.polyfit(share, err, 1)
+        lines.append(f"| {label} | {len(g)} | {_pct(err.mean(), True)} | {_pct(intercept, True)} | {slope:+.2f} | "
+                     f"{_num(rho(share, err), '+.2f')} | {_num(rho((g.bandwidth / g.predicted).to_numpy(), err), '+.2f')} |")
     return lines
 
 
@@ -333,6 +355,15 @@ def report(df: pd.DataFrame, hagemann_all: pd.DataFrame, gbps: float, elapsed: f
         "bandwidth-bound kernels are predicted too slow and the rest too fast, and that the two offset in "
         "the source's mean.", "",
         *bandwidth_trend_lines(df), "",
+        "## 3b. Dropout on Megatron-Core", "",
+        "The rows on the Megatron-Core stacks (fitting rows included) whose attention is a fused kernel, split by "
+        "whether the run trained with dropout (GPT-3-style models: attention and hidden dropout 0.1) or not "
+        "(Llama): least-squares line of the error against the fused-attention share of the predicted time, and "
+        "the error's rank correlation with that share and with the bandwidth-bound share. The model charges a "
+        "fused attention kernel no time for its dropout (it regenerates the mask from the random state and "
+        "keeps none); if that dropout cost the time missing from the dropout rows, their error would grow with "
+        "the attention share.", "",
+        *dropout_lines(df), "",
         "## 4. Hagemann et al. 2023: which part the residual follows", "",
         "Non-negative least squares of the measured step time on the predicted parts (compute, tp, bubble, "
         "dp), each run weighted by 1 / its measured time, fitting and checking tables apart. A coefficient "
