@@ -208,8 +208,9 @@ def dropout_lines(df: pd.DataFrame) -> list[str]:
         share = (g.attention / g.predicted).to_numpy()
         err = (g.measured / g.predicted - 1).to_numpy()
         slope, intercept = np.polyfit(share, err, 1)
+        bandwidth = (g.bandwidth / g.predicted).to_numpy()
         lines.append(f"| {label} | {len(g)} | {_pct(err.mean(), True)} | {_pct(intercept, True)} | {slope:+.2f} | "
-                     f"{_num(rho(share, err), '+.2f')} | {_num(rho((g.bandwidth / g.predicted).to_numpy(), err), '+.2f')} |")
+                     f"{_num(rho(share, err), '+.2f')} | {_num(rho(bandwidth, err), '+.2f')} |")
     return lines
 
 

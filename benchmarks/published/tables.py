@@ -450,7 +450,7 @@ def nemo_performance() -> list:
     (Llama 2 7B at 4K-1M tokens with context parallelism; micro-batch, recompute and
     interleaving not given). FP8 as delayed scaling (the launcher's fp8_hybrid); the
     optimizer's dtypes and FP8 parameters are not stated, so the megatron-core-fp8 stack's are
-    assumed, on the attention of 2024's software (megatron-core-2024-fp8)."""
+    assumed, on the attention of that software (megatron-core-2024-fp8)."""
     out = []
     for r in _read("nemo_2024_h100_performance.csv").itertuples():
         long_sequence = r.source_table.startswith("Long")

@@ -626,13 +626,14 @@ def fit_autoplan_host() -> tuple[float, float]:
 
 
 MEGATRON_CORE_2024 = ("megatron-core-2024", "megatron-core-2024-fp8")
-"""Stacks of 2024's Megatron-Core whose attention class is fitted on NeMo 24.07's table."""
+"""Stacks of Megatron-Core of the first half of 2024 whose attention class is fitted on NeMo 24.07's table."""
 
 
 def fit_megatron_core_2024_attention() -> str:
-    """The attention class of 2024's Megatron-Core on H100 (Transformer Engine 1.x's fused
-    attention): of the Hopper classes the model has, the one whose predictions of NeMo 24.07's
-    DGX-H100 pretraining table (its fitting rows) have the smallest MAPE. NeMo 24.03.01's
+    """The attention class of Megatron-Core of the first half of 2024 on H100 (Transformer
+    Engine 1.x's fused attention): of the Hopper classes the model has, the one whose
+    predictions of NeMo 24.07's DGX-H100 pretraining table (its fitting rows) have the
+    smallest MAPE. NeMo 24.03.01's
     long-sequence table, where attention is most of the work, and Megatron-LM's r0.8.0 table
     only check it. Rewrites both stack files and returns the class."""
     rows = [r for r in tables.build([tables.NEMO_2024]) if isinstance(r, tables.PublishedRow) and r.fitting]
