@@ -471,3 +471,15 @@ def test_2024_stacks_differ_in_attention_only(case):
               if getattr(dated, f.name) != getattr(current, f.name)} - {"name", "description", "version", "sources"}
     assert differ == {"attention"}
     assert dated.sources["attention"].startswith("fitted")
+
+
+def test_2024_attention_class_is_the_one_its_fit_chooses(monkeypatch):
+    """The shipped stacks hold what `validate.py --fit` writes (the fit's files are not touched here)."""
+    from benchmarks.published import validate
+    written = {}
+    monkeypatch.setattr(T, "write_fitted", lambda name, values, sources: written.update({name: (values, sources)}))
+    chosen = validate.fit_megatron_core_2024_attention()
+    assert set(written) == set(validate.MEGATRON_CORE_2024)
+    for name, (values, sources) in written.items():
+        assert values == {"attention": chosen} == {"attention": get_stack(name).attention}
+        assert sources["attention"] == get_stack(name).sources["attention"]
