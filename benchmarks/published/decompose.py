@@ -114,11 +114,11 @@ def public_rows() -> list[dict]:
         if res.measured_time_s is None:
             continue
         stack = dataclasses.replace(get_stack(r.stack), **r.stack_overrides)
-        # Parts on different stacks, or a part that fitted its stack, are shown apart.
-        apart = r.source.startswith("Narayanan") or r.source == tables.NEMO_2024
+        # Parts on different stacks, and rows that fitted a figure of their stack, are shown apart.
+        apart = r.source.startswith("Narayanan") or r.fitting
         source = f"{r.source} ({r.group})" if r.group and apart else r.source
         out.append(_record(source, r.ref, res.measured_time_s, res.est, tables.model_for(r, stack),
-                           r.cluster.groups[0].device, stack, dropout=r.dropout, fitting=r.fitting))
+                           r.cluster.groups[0].device, stack, dropout=r.dropout))
     return out
 
 

@@ -464,8 +464,7 @@ def nemo_performance() -> list:
             "medium (degrees and batch given; the launcher configs' recompute; optimizer dtypes and FP8 parameters "
             "not stated)"
             if not long_sequence else "medium (TFLOP/s only; micro-batch, recompute and interleaving not stated)",
-            "; ".join(n for n in ("" if long_sequence else "fitting row (the stack's attention class)",
-                                  MEGATRON_FP8_NOTE, "fused cross entropy" if fused_loss else "") if n),
+            "; ".join(n for n in (MEGATRON_FP8_NOTE, "fused cross entropy" if fused_loss else "") if n),
             time_note="derived from TFLOP/s per GPU with the pretraining table's FLOP count" if long_sequence
             else "derived from tokens/s per GPU",
             arch=r.arch, dropout=float(r.dropout), tie_embeddings=r.tie_embeddings == "yes",
@@ -1304,6 +1303,11 @@ class TablesReport:
             bracket_peak_within=_count(b.peak_within for b in br),
             bracket_contradictions=_count(b.contradicts for b in br))
 
+    def fitting_rows(self, source: str, group: str | None = None) -> int:
+        """How many of a source's rows (or of one of its groups) fitted a figure of their stack."""
+        return sum(r.row.fitting for r in self.results
+                   if r.row.source == source and group in (None, r.row.group))
+
     def time_errors_by_stack(self) -> dict[str, list[float]]:
         """measured / predicted - 1 of every checking row with a measured (or derived) time,
         by the stack it ran on (bracketed rows have no single prediction and are left out)."""
@@ -1319,7 +1323,7 @@ class TablesReport:
         for name in self.sources():
             s = self.stats(name)
             parts = [f"{s.rows} rows, {s.skipped} skipped"]
-            fitting = sum(r.row.fitting for r in self.results if r.row.source == name)
+            fitting = self.fitting_rows(name)
             if fitting:
                 parts[0] += f" ({fitting} more fitted a figure of the stack: their part below, not in the figures)"
             if s.time_errors:
@@ -1372,9 +1376,7 @@ class TablesReport:
                 s = self.stats(name, group)
                 agree = (f"{s.agree}/{s.outcomes}" if s.oom_rows else
                          (f"({s.agree}/{s.outcomes} fit)" if s.outcomes else ""))
-                fitting = group is not None and any(r.row.fitting for r in self.results
-                                                      if r.row.source == name and r.row.group == group)
-                label = (name if group is None else f"&nbsp;&nbsp;apart: {group}" if fitting
+                label = (name if group is None else f"&nbsp;&nbsp;apart: {group}" if self.fitting_rows(name, group)
                          else f"&nbsp;&nbsp;of which {group}")
                 skipped = s.skipped if group is None else ""
                 lines.append(f"| {label} | {by_name[name].stack if group is None else ''} | {s.rows} | {skipped} | "
@@ -1494,7 +1496,8 @@ class TablesReport:
         else:
             mem = f"— / {r.est.peak_memory_bytes / GiB:.1f} total"
         cp = f"context parallelism {row.cp} ({row.cp_comm})" if row.cp > 1 else ""
-        note = "; ".join(x for x in (cp, row.time_note if row.time_note != "measured" else "", row.note) if x)
+        note = "; ".join(x for x in ("fitting row" if row.fitting else "", cp,
+                                     row.time_note if row.time_note != "measured" else "", row.note) if x)
         return (f"| {row.source} | {row.ref} | {row.model} | {row.gpus} | {row.tp} | {row.pp} | {row.dp} | "
                 f"{mark('micro_batch', r.plan.micro_batch)} | {mark('virtual', r.plan.virtual_stages)} | {rc} | "
                 f"{mark('zero', r.plan.zero)} | {row.stack} | {meas} | {r.est.iteration_time_s:.3g} | "

@@ -633,19 +633,19 @@ def fit_megatron_core_2024_attention() -> str:
     """The attention class of Megatron-Core of the first half of 2024 on H100 (Transformer
     Engine 1.x's fused attention): of the Hopper classes the model has, the one whose
     predictions of NeMo 24.07's DGX-H100 pretraining table (its fitting rows) have the
-    smallest MAPE. NeMo 24.03.01's
-    long-sequence table, where attention is most of the work, and Megatron-LM's r0.8.0 table
-    only check it. Rewrites both stack files and returns the class."""
-    rows = [r for r in tables.build([tables.NEMO_2024]) if isinstance(r, tables.PublishedRow) and r.fitting]
+    smallest MAPE. NeMo 24.03.01's long-sequence table, where attention is most of the work,
+    and Megatron-LM's r0.8.0 table only check it. Rewrites both stack files and returns the
+    class."""
     mape = {}
     for kernel in ("flash2", "flash3"):
-        errors = [res.time_error for res in tables.evaluate(
-            [dataclasses.replace(r, stack_overrides={**r.stack_overrides, "attention": kernel}) for r in rows]).results]
+        rows = [r for r in tables.build([tables.NEMO_2024], what_if={"attention": kernel})
+                if isinstance(r, tables.PublishedRow) and r.fitting]
+        errors = [res.time_error for res in tables.evaluate(rows).results]
         mape[kernel] = float(np.mean(np.abs(errors)))
         print(f"  megatron-core-2024 attention {kernel}: MAPE {mape[kernel]:.1%} over {len(errors)} fitting rows")
     best = min(mape, key=mape.get)
     why = (f"fitted: of the Hopper attention classes, the one whose predictions of NeMo 24.07's DGX-H100 FP8 "
-           f"pretraining table (benchmarks/published/data/nemo_2024_h100_performance.csv, {len(rows)} rows) come "
+           f"pretraining table (benchmarks/published/data/nemo_2024_h100_performance.csv, {len(errors)} rows) come "
            "closest (MAPE " + ", ".join(f"{k} {v:.1%}" for k, v in mape.items()) + "; "
            "`python benchmarks/published/validate.py --fit`); NeMo 24.03.01's long-sequence table and Megatron-LM's "
            "r0.8.0 README table only check it. NeMo 24.12's recipes (DGX Cloud benchmarking) run nearer the faster "
